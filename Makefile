@@ -1,0 +1,42 @@
+# Everything a fresh clone needs: `make test` and `make serve` do all set-up themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TINY := models/tiny/config.json
+SMALL := models/small/config.json
+
+.PHONY: install models test serve lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(TINY): $(STAMP)
+	$(PY) -m engine.model.tiny_model --size tiny --out models/tiny
+
+$(SMALL): $(STAMP)
+	$(PY) -m engine.model.tiny_model --size small --out models/small
+
+models: $(TINY)
+
+test: install models
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+# Until the Serve app lands (issue 3), `make serve` runs the engine offline on the tiny model.
+serve: install models
+	$(PY) -m engine.demo --model models/tiny
+
+lint: install
+	$(PY) -m ruff check .
+
+bench: install $(SMALL)
+	$(PY) -m loadtests.bench_engine --model small
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .hypothesis .ruff_cache

@@ -1,0 +1,112 @@
+"""Reference paged attention in plain torch: runs on CPU and GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, BatchLayout, write_kv
+
+
+@dataclass
+class _Prefill:
+    start: int  # first token of the request in the packed batch
+    end: int
+    seq_len: int  # cache length after this step
+    block_ids: torch.Tensor | None  # None when nothing was cached before: attend to fresh k/v
+    mask: torch.Tensor | None  # [n, seq_len] bool when part of the context is cached
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_table: torch.Tensor  # [Bd, nb]
+    decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: key is within context
+    prefills: list[_Prefill]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Decodes: one batched call over a padded gather of their blocks. Prefill chunks: one
+    call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
+
+    name = "torch"
+
+    def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        bs = layout.block_size
+        nd = layout.num_decodes
+        device = layout.block_table.device
+        if nd:
+            seq_lens = torch.tensor(layout.seq_lens[:nd], device=device)
+            nb = -(-int(max(layout.seq_lens[:nd])) // bs)
+            dbt = layout.block_table[:nd, :nb]
+            keys = torch.arange(nb * bs, device=device)
+            dmask = (keys[None, :] < seq_lens[:, None]).view(nd, 1, 1, nb * bs)
+        else:
+            dbt = layout.block_table[:0]
+            dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)
+        prefills = []
+        for i in range(nd, len(layout.seq_lens)):
+            start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+            done, seq_len = layout.num_computed[i], layout.seq_lens[i]
+            if done == 0:
+                prefills.append(_Prefill(start, end, seq_len, None, None))
+                continue
+            nb = -(-seq_len // bs)
+            q_pos = torch.arange(done, seq_len, device=device)
+            k_pos = torch.arange(seq_len, device=device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb], mask))
+        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, dmask, prefills)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m = metadata
+        write_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        out = torch.empty_like(q)
+        nd = m.num_decodes
+        if nd:
+            length = m.decode_mask.shape[-1]
+            kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
+            vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
+            od = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2),
+                kd.transpose(1, 2),
+                vd.transpose(1, 2),
+                attn_mask=m.decode_mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[:nd] = od.squeeze(2)
+        for p in m.prefills:
+            qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            if p.block_ids is None:
+                ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                ki = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
+                vi = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
+                oi = F.scaled_dot_product_attention(
+                    qi,
+                    ki.transpose(0, 1).unsqueeze(0),
+                    vi.transpose(0, 1).unsqueeze(0),
+                    attn_mask=p.mask,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            out[p.start : p.end] = oi[0].transpose(0, 1)
+        return out

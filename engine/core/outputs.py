@@ -1,0 +1,95 @@
+"""Plain records that cross module boundaries: scheduler -> runner -> scheduler -> engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table (read it during this step only)
+    sample: bool  # True when the step reaches the request's last token: sample the next one
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    banned_token_ids: tuple[int, ...] = ()  # masked while min_tokens is not reached
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Requests that ended or were preempted since the last step: the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, before detokenization."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A delta for one request: the tokens and text it produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished request, whole: what `LLMEngine.generate` returns."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_preemptions_total: int
+    num_steps_total: int

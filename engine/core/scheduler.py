@@ -1,0 +1,263 @@
+"""Iteration-level scheduler: which tokens of which requests the next forward step computes."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from engine.core.clock import Clock, MonotonicClock
+from engine.core.config import SchedulerConfig, SchedulerLimits
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from engine.core.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Continuous (or static) batching with one token budget per step.
+
+    Each step, running requests are served first in admission order, then waiting ones are
+    admitted while the token budget, `max_num_seqs` and free blocks allow. A request's
+    `num_computed_tokens` catches up to its token count in chunks no bigger than the budget,
+    so chunked prefill, decode and recompute after preemption are one code path. When blocks
+    run out, the most recently admitted request is preempted (its blocks freed, its progress
+    reset) and put back at the head of the waiting queue.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, clock: Clock | None = None
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.clock = clock or MonotonicClock()
+        self.limits = config.limits()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ended_since_last_step: list[str] = []
+        self._static_admitted = 0  # members admitted into the current static batch
+        self.num_preemptions_total = 0
+        self.num_steps_total = 0
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        total = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        if self.kv_cache.blocks_needed(total) > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens ({total} tokens) needs more KV blocks than the cache "
+                f"holds ({self.kv_cache.num_blocks} of {self.kv_cache.block_size} tokens)"
+            )
+        request.arrival_time = request.arrival_time or self.clock.now()
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests early (abort, stop string, error); unknown or ended ids are ignored."""
+        assert status.finished, status
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._end(request, status)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def set_limits(self, limits: SchedulerLimits) -> None:
+        """Change the caps from the next step on. Lowering max_num_seqs below the number of
+        running requests evicts nothing; it stops admission until enough of them end."""
+        self.limits = limits
+
+    # ------------------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, n, preempted):
+                break  # the request itself was preempted; so was every one after it
+            scheduled.append(self._schedule_one(request, n))
+            budget -= n
+            i += 1
+
+        if self.config.batching == "static" and not self.running:
+            self._static_admitted = 0
+        # Admitting right after a preemption would only thrash the cache.
+        while not preempted and self.waiting and budget > 0 and self._may_admit():
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache.allocate_slots(request, n) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock.now()
+            self.running.append(request)
+            self._static_admitted += 1
+            scheduled.append(self._schedule_one(request, n))
+            budget -= n
+
+        ended, self._ended_since_last_step = self._ended_since_last_step, []
+        self.num_steps_total += 1
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.limits.max_num_batched_tokens - budget,
+            finished_request_ids=ended,
+            preempted_request_ids=preempted,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance each scheduled request by what the step computed and sampled."""
+        outputs: list[EngineCoreOutput] = []
+        any_ended = False
+        now = self.clock.now()
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # ended while the step ran
+            request.num_computed_tokens += sched.num_tokens
+            if not sched.sample:
+                continue
+            token = runner_output.sampled_token_ids[sched.request_id]
+            request.append_output_token(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._end(request, status)
+                any_ended = True
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id, [token], status.finish_reason if status else None
+                )
+            )
+        if any_ended:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The runner raised on this step: end its requests with an error, keep the rest."""
+        ids = [s.request_id for s in scheduler_output.scheduled if s.request_id in self.requests]
+        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return [
+            EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR.finish_reason) for rid in ids
+        ]
+
+    # ---------------------------------------------------------------------- inspection
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=self.kv_cache.num_free_blocks,
+            num_used_blocks=self.kv_cache.num_used_blocks,
+            num_total_blocks=self.kv_cache.num_blocks,
+            kv_usage=self.kv_cache.usage(),
+            max_num_seqs=self.limits.max_num_seqs,
+            max_num_batched_tokens=self.limits.max_num_batched_tokens,
+            num_preemptions_total=self.num_preemptions_total,
+            num_steps_total=self.num_steps_total,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert live == set(self.requests), "request index out of step with the queues"
+        assert len(live) == len(self.running) + len(self.waiting), "a request is queued twice"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            if r.status == RequestStatus.PREEMPTED:
+                assert r.num_computed_tokens == 0, r
+        # NOTE: only running requests hold blocks; waiting and preempted ones hold none.
+        assert self.kv_cache.request_ids() == {r.request_id for r in self.running}, "orphan table"
+
+    # ------------------------------------------------------------------------- helpers
+    def _may_admit(self) -> bool:
+        if len(self.running) >= self.limits.max_num_seqs:
+            return False
+        if self.config.batching == "static":
+            return self._static_admitted < self.limits.max_num_seqs
+        return True
+
+    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
+        """Allocate for `request`, preempting the youngest running requests as needed.
+        Returns False if `request` itself had to be preempted."""
+        while self.kv_cache.allocate_slots(request, n) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_one(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sample = start + n == request.num_tokens
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if sample and request.num_output_tokens < params.min_tokens:
+            banned = tuple(sorted(request.stop_token_ids))
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + n],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            sample=sample,
+            sampling_params=params,
+            num_output_tokens=request.num_output_tokens,
+            banned_token_ids=banned,
+        )
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens and token in request.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request.request_id)
+        del self.requests[request.request_id]
+        self._ended_since_last_step.append(request.request_id)

@@ -1,0 +1,215 @@
+"""The synchronous engine: schedule, execute, update; plus detokenization and stop strings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from engine.core.clock import Clock, MonotonicClock
+from engine.core.config import EngineConfig, SchedulerLimits
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.detokenizer import IncrementalDetokenizer
+from engine.runner.base import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class BatchingPolicy(Protocol):
+    """Anything that turns scheduler stats into the next step's limits (cluster/batching.py)."""
+
+    def limits(self, stats: SchedulerStats) -> SchedulerLimits: ...
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """Serves many requests at once, one forward step at a time.
+
+    `add_request` queues (ValueError names a bad field), `step` runs one iteration and returns
+    per-request deltas, `abort` ends a request and frees its blocks. Not thread-safe: call it
+    from one thread (AsyncLLMEngine does that for asyncio code).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: BatchingPolicy | None = None,
+        runner: ModelRunner | None = None,
+        tokenizer=None,
+        clock: Clock | None = None,
+    ) -> None:
+        from engine.model.loader import check_model_dir
+
+        check_model_dir(config.model)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.config = config
+        self.tokenizer = tokenizer
+        if runner is None:
+            from engine.runner.torch_runner import TorchModelRunner
+
+            runner = TorchModelRunner(config)
+        self.runner = runner
+        self.policy = policy
+        self.eos_token_ids = _eos_token_ids(config.model, tokenizer)
+        sched_config = replace(config.scheduler, max_model_len=runner.max_model_len())
+        kv = KVCacheManager(runner.num_kv_blocks(), config.cache.block_size)
+        self.scheduler = Scheduler(sched_config, kv, clock or MonotonicClock())
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ------------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt: token ids must be integers")
+        vocab = self.runner_vocab_size()
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def runner_vocab_size(self) -> int:
+        spec = getattr(self.runner, "spec", None)
+        return spec.vocab_size if spec is not None else len(self.tokenizer)
+
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Validate and tokenize without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        return Request(request_id, token_ids, params, self.eos_token_ids)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        self.add_prepared(self.make_request(request_id, prompt, params))
+
+    def add_prepared(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+        )
+        self._tracked[request.request_id] = _Tracked(request, detok)
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.abort_requests(ids)
+        for rid in ids:
+            self._tracked.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ------------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        if self.policy is not None:
+            self.scheduler.set_limits(self.policy.limits(self.scheduler.stats()))
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not sched_out.finished_request_ids:
+            return []
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
+            core_outs = self.scheduler.fail_step(sched_out)
+            return [self._error_output(o.request_id, repr(exc)) for o in core_outs]
+        core_outs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = []
+        stopped = []
+        for core in core_outs:
+            tracked = self._tracked.get(core.request_id)
+            if tracked is None:
+                continue
+            text, hit_stop = tracked.detokenizer.update(core.new_token_ids, core.finished)
+            finish_reason = core.finish_reason
+            if hit_stop and not core.finished:
+                stopped.append(core.request_id)
+                finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+            elif hit_stop:
+                finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+            req = tracked.request
+            outputs.append(
+                RequestOutput(
+                    request_id=core.request_id,
+                    new_token_ids=core.new_token_ids,
+                    new_text=text,
+                    finished=finish_reason is not None,
+                    finish_reason=finish_reason,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                )
+            )
+            if finish_reason is not None:
+                del self._tracked[core.request_id]
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def _error_output(self, request_id: str, error: str) -> RequestOutput:
+        tracked = self._tracked.pop(request_id, None)
+        n_prompt = tracked.request.num_prompt_tokens if tracked else 0
+        n_out = tracked.request.num_output_tokens if tracked else 0
+        return RequestOutput(request_id, [], "", True, "error", n_prompt, n_out, error=error)
+
+    # ------------------------------------------------------------------------- offline
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("params: need one SamplingParams per prompt")
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        results: dict[str, GenerationResult] = {}
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            req = self.make_request(rid, prompt, p)
+            self.add_prepared(req)
+            results[rid] = GenerationResult(rid, req.prompt_token_ids, [], "", None)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(out.new_token_ids)
+                res.text += out.new_text
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]
+
+
+def _eos_token_ids(model: str, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (may list several), else the tokenizer's."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+        if eos is not None:
+            ids = list(eos) if isinstance(eos, list | tuple) else [eos]
+    except OSError:
+        pass
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return tuple(ids)

@@ -1,0 +1,173 @@
+"""Our own Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+One forward runs every scheduled token of every request as one packed batch (no padding);
+attention goes through the AttentionBackend interface.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.model.loader import DecoderSpec
+from engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """As HF computes it: normalize in float32, scale in the model dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        # q, k and v in one GEMM: one big matmul is faster than three small ones.
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        metadata: object,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: DecoderSpec, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(
+            spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        metadata: object,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Return float32 logits [len(logits_indices), vocab] for the tokens to sample from."""
+        h = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            a = layer.self_attn(
+                layer.input_layernorm(h), positions, self.rope, kv_cache, backend, metadata
+            )
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        # Only the rows we sample from need the final norm and the (large) vocab projection.
+        h = self.norm(h[logits_indices])
+        return self.lm_head(h).float()
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up. Raises ValueError on a
+        missing or misshaped weight."""
+        state = self.state_dict()
+        spec = self.spec
+        mapped: dict[str, torch.Tensor] = {}
+        for i in range(spec.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            mapped[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+                [_take(tensors, attn + f"{p}_proj.weight") for p in "qkv"]
+            )
+            if spec.attention_bias:
+                mapped[dst + "self_attn.qkv_proj.bias"] = torch.cat(
+                    [_take(tensors, attn + f"{p}_proj.bias") for p in "qkv"]
+                )
+            mapped[dst + "self_attn.o_proj.weight"] = _take(tensors, attn + "o_proj.weight")
+            if spec.qk_norm:
+                mapped[dst + "self_attn.q_norm.weight"] = _take(tensors, attn + "q_norm.weight")
+                mapped[dst + "self_attn.k_norm.weight"] = _take(tensors, attn + "k_norm.weight")
+            mapped[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+                [_take(tensors, src + f"mlp.{p}_proj.weight") for p in ("gate", "up")]
+            )
+            mapped[dst + "mlp.down_proj.weight"] = _take(tensors, src + "mlp.down_proj.weight")
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                mapped[dst + f"{norm}.weight"] = _take(tensors, src + f"{norm}.weight")
+        mapped["embed_tokens.weight"] = _take(tensors, "model.embed_tokens.weight")
+        mapped["norm.weight"] = _take(tensors, "model.norm.weight")
+        if not spec.tie_word_embeddings:
+            mapped["lm_head.weight"] = _take(tensors, "lm_head.weight")
+        for name, value in mapped.items():
+            if state[name].shape != value.shape:
+                raise ValueError(
+                    f"model: weight {name} has shape {tuple(value.shape)}, "
+                    f"expected {tuple(state[name].shape)}"
+                )
+            state[name].copy_(value)
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise ValueError(f"model: checkpoint has no weight {name!r}") from None

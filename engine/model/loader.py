@@ -1,0 +1,100 @@
+"""Read a local HF checkpoint directory into a DecoderSpec and a state dict."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of a Llama-family decoder, read from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q, k and v
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    sliding_window: int | None
+
+
+def check_model_dir(model: str) -> Path:
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {model!r} is not a local checkpoint directory with config.json")
+    return path
+
+
+def read_spec(model: str) -> DecoderSpec:
+    path = check_model_dir(model)
+    cfg = json.loads((path / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"model: unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    num_heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    sliding = cfg.get("sliding_window")
+    if family == "qwen2" or family == "qwen3":
+        sliding = sliding if cfg.get("use_sliding_window") else None
+    return DecoderSpec(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=None if rope_type == "default" else dict(rope),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+        qk_norm=family == "qwen3",
+        sliding_window=sliding,
+    )
+
+
+def iter_checkpoint_tensors(model: str):
+    """Yield (name, tensor) from every safetensors file of the checkpoint."""
+    path = check_model_dir(model)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {model!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_state_dict(model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {name: t.to(dtype) for name, t in iter_checkpoint_tensors(model)}

@@ -1,0 +1,228 @@
+"""Offline checkpoints: random-weight Llama-family models with a byte-level BPE tokenizer.
+
+    python -m engine.model.tiny_model --size tiny|small --out DIR [--arch llama|qwen2|qwen3]
+
+writes an ordinary HF checkpoint directory (config.json, model.safetensors, tokenizer files with
+a chat template, generation_config.json) that loads through `from_pretrained` like any real
+model. Weights and tokenizer are the same for the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    init_std: float
+
+
+SIZES = {
+    # ~0.7M parameters: fast enough for the oracle tests to run many mixes.
+    "tiny": ModelSize(64, 4, 4, 2, 176, 4096, 2048, 0.1),
+    # ~100.7M parameters: the standard benchmark model (see ../shared/DESIGN.md).
+    "small": ModelSize(768, 12, 12, 4, 2048, 16384, 4096, 0.05),
+}
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
+}
+
+_SYLLABLES = [
+    "ka",
+    "ri",
+    "to",
+    "na",
+    "shi",
+    "mo",
+    "be",
+    "lu",
+    "ze",
+    "pa",
+    "qua",
+    "vor",
+    "tin",
+    "ex",
+    "ul",
+    "im",
+    "ra",
+    "so",
+    "del",
+    "fen",
+    "gar",
+    "hup",
+    "ist",
+    "jor",
+    "ack",
+    "ble",
+    "cro",
+    "dwi",
+    "eth",
+    "fli",
+    "gno",
+    "hy",
+    "ion",
+    "jax",
+    "kel",
+    "lom",
+    "mun",
+    "nix",
+    "oth",
+    "pre",
+    "quo",
+    "rus",
+    "sta",
+    "tre",
+    "una",
+    "vel",
+    "wyn",
+    "xor",
+    "yst",
+    "zun",
+    "the",
+    "and",
+    "ing",
+    "ion",
+    "ent",
+]
+_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Serving many requests at once needs a "
+    "scheduler that looks at every step. Café, naïve, façade, jalapeño, Zürich, Ångström. "
+    "日本語のテキスト、中文文本、한국어 텍스트. Emoji: 🚀🔥✨🙂. Numbers 0123456789, "
+    "symbols {}[]()<>!?;:'\"@#$%^&*_-+=/\\|~`. def step(self): return self.schedule()\n"
+)
+
+
+def _corpus(seed: int, num_words: int = 120_000) -> list[str]:
+    """Deterministic training text: real sentences plus random syllable words."""
+    rng = random.Random(seed)
+    lines = [_TEXT] * 50
+    words = []
+    for _ in range(num_words):
+        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))
+        words.append(word.capitalize() if rng.random() < 0.1 else word)
+    lines += [" ".join(words[i : i + 16]) for i in range(0, len(words), 16)]
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer reached {tok.get_vocab_size()} of {vocab_size} tokens")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id: int):
+    import torch
+    import transformers
+
+    spec = SIZES[size]
+    config_cls_name, model_cls_name, extra = ARCHS[arch]
+    extra = dict(extra)
+    if arch == "qwen3":
+        extra["head_dim"] = spec.hidden_size // spec.num_attention_heads
+    config = getattr(transformers, config_cls_name)(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        **extra,
+    )
+    config.architectures = [model_cls_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls_name)(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                # Norm gains near 1 but not exactly, so a wrong norm shows in the oracle.
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                # Larger than HF's 0.02 so that logits spread out and argmax ties are rare.
+                param.copy_(spec.init_std * torch.randn(param.shape, generator=gen))
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def make_model(out: str | Path, size: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+    """Write the checkpoint directory (skipped if it already holds one) and return its path."""
+    out = Path(out)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(SIZES[size].vocab_size, seed)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model = build_model(size, arch, seed, eos, pad)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    path = make_model(args.out, args.size, args.arch, args.seed)
+    print(f"wrote {args.size} {args.arch} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The contract between the engine and whatever executes a step."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class ModelRunner(Protocol):
+    """Executes scheduled steps. The real one runs the model; the simulator's prices them."""
+
+    def num_kv_blocks(self) -> int:
+        """How many KV blocks of the configured block size the cache holds."""
+        ...
+
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) the model supports."""
+        ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the KV of every scheduled token and sample one token for each request whose
+        `sample` flag is set. Drops per-request state of `finished_request_ids`. Raises on a
+        failure of the step; the engine then fails that step's requests."""
+        ...

@@ -1,0 +1,127 @@
+"""The real runner: KV cache tensors, packed inputs (no padding), forward, sampling."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from engine.attention.base import BatchLayout
+from engine.attention.registry import get_attention_backend
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.model.decoder import Decoder
+from engine.model.loader import DecoderSpec, load_state_dict, read_spec
+from engine.sampler import Sampler
+
+
+class TorchModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        spec = read_spec(config.model)
+        max_len = config.scheduler.max_model_len
+        if max_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
+                f"({spec.max_position_embeddings})"
+            )
+        if spec.sliding_window is not None and max_len > spec.sliding_window:
+            raise ValueError(
+                f"max_model_len ({max_len}) exceeds the model's sliding_window "
+                f"({spec.sliding_window}); sliding-window attention is not supported"
+            )
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.spec = spec
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self._max_model_len = max_len
+        self.model = Decoder(spec, spec.max_position_embeddings).to(self.dtype)
+        self.model.load_checkpoint(load_state_dict(config.model, self.dtype))
+        self.model.to(self.device).eval()
+        self.backend = get_attention_backend(config.attention_backend, config.device)
+        self.block_size = config.cache.block_size
+        self._num_blocks = self._size_cache(config.cache)
+        shape = (self._num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(spec.num_layers)
+        ]
+        self.sampler = Sampler(config.seed)
+
+    # ------------------------------------------------------------------ ModelRunner API
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(scheduler_output.finished_request_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput({})
+        # Decodes first: the attention backend batches them as one call.
+        scheduled = scheduler_output.scheduled
+        order = [r for r in scheduled if r.num_tokens == 1]
+        order += [r for r in scheduled if r.num_tokens != 1]
+        input_ids, positions, layout, logits_indices = self._prepare_inputs(order)
+        metadata = self.backend.prepare(layout)
+        logits = self.model(
+            input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
+        )
+        sampled = [r for r in order if r.sample]
+        tokens = self.sampler.sample(logits.cpu(), sampled)
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
+
+    # ------------------------------------------------------------------------- helpers
+    def bytes_per_block(self) -> int:
+        s: DecoderSpec = self.spec
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def _size_cache(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_fraction)
+        else:
+            budget = cache.kv_cache_bytes or 0
+        num_blocks = budget // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes: a budget of {budget} bytes holds no KV block "
+                f"({self.bytes_per_block()} bytes each)"
+            )
+        return num_blocks
+
+    def _prepare_inputs(
+        self, order: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout, torch.Tensor]:
+        bs = self.block_size
+        counts = [r.num_tokens for r in order]
+        starts = [r.num_computed_tokens for r in order]
+        offsets = list(itertools.accumulate(counts, initial=0))
+        width = max(len(r.block_ids) for r in order)
+        block_table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in order])
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in order)))
+        req_idx = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(counts))
+        shift = torch.tensor(starts) - torch.tensor(offsets[:-1])
+        positions = torch.arange(offsets[-1]) + shift[req_idx]
+        slots = block_table[req_idx, positions // bs] * bs + positions % bs
+        logits_indices = torch.tensor(
+            [offsets[i + 1] - 1 for i, r in enumerate(order) if r.sample], dtype=torch.long
+        )
+        dev = self.device
+        layout = BatchLayout(
+            num_decodes=sum(1 for c in counts if c == 1),
+            query_start_loc=offsets,
+            num_computed=starts,
+            seq_lens=[s + c for s, c in zip(starts, counts, strict=True)],
+            block_table=block_table.to(dev),
+            slot_mapping=slots.to(dev),
+            block_size=bs,
+        )
+        return input_ids.to(dev), positions.to(dev), layout, logits_indices.to(dev)
