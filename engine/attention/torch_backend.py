@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, BatchLayout, write_kv
+from engine.attention.native import (
+    load_native_decode,
+    native_decode_supported,
+    paged_decode_attention,
+)
 
 
 @dataclass
@@ -24,15 +29,21 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_block_table: torch.Tensor  # [Bd, nb]
+    decode_seq_lens: torch.Tensor  # [Bd] int64
     decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: key is within context
     prefills: list[_Prefill]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes: one batched call over a padded gather of their blocks. Prefill chunks: one
-    call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
+    """Decodes: one batched call. On CPU in float32 that is a native kernel that reads K/V
+    straight from the paged cache (`native_decode=True`, the default, where it builds);
+    otherwise SDPA over a padded gather of their blocks (the reference). Prefill chunks: one
+    SDPA call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
 
     name = "torch"
+
+    def __init__(self, native_decode: bool = True) -> None:
+        self._native = load_native_decode() if native_decode else None
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -45,6 +56,7 @@ class TorchAttentionBackend(AttentionBackend):
             keys = torch.arange(nb * bs, device=device)
             dmask = (keys[None, :] < seq_lens[:, None]).view(nd, 1, 1, nb * bs)
         else:
+            seq_lens = torch.zeros(0, dtype=torch.long, device=device)
             dbt = layout.block_table[:0]
             dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)
         prefills = []
@@ -59,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(seq_len, device=device)
             mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb], mask))
-        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, dmask, prefills)
+        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, seq_lens, dmask, prefills)
 
     def forward(
         self,
@@ -76,7 +88,17 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         out = torch.empty_like(q)
         nd = m.num_decodes
-        if nd:
+        if nd and self._native is not None and native_decode_supported(q, k_cache):
+            out[:nd] = paged_decode_attention(
+                self._native,
+                q[:nd],
+                k_cache,
+                v_cache,
+                m.decode_block_table,
+                m.decode_seq_lens,
+                scale,
+            )
+        elif nd:
             length = m.decode_mask.shape[-1]
             kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
             vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)

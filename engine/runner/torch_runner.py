@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -50,6 +51,8 @@ class TorchModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.sampler = Sampler(config.seed)
+        # Seconds inside the model forward, for the benchmark's overhead figure.
+        self.forward_seconds = 0.0
 
     # ------------------------------------------------------------------ ModelRunner API
     def num_kv_blocks(self) -> int:
@@ -68,9 +71,11 @@ class TorchModelRunner:
         order += [r for r in scheduled if r.num_tokens != 1]
         input_ids, positions, layout, logits_indices = self._prepare_inputs(order)
         metadata = self.backend.prepare(layout)
+        start = time.perf_counter()
         logits = self.model(
             input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
         )
+        self.forward_seconds += time.perf_counter() - start
         sampled = [r for r in order if r.sample]
         tokens = self.sampler.sample(logits.cpu(), sampled)
         return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})

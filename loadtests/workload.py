@@ -1,0 +1,38 @@
+"""The standard benchmark workload: lengths from ../shared/workloads, token ids drawn by seed."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOAD_DIRS = [REPO.parent / "shared" / "workloads", REPO / "loadtests" / "workloads"]
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def find_workload(name: str) -> Path:
+    for d in WORKLOAD_DIRS:
+        path = d / f"{name}.json"
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"workload {name!r} not found in {[str(d) for d in WORKLOAD_DIRS]}")
+
+
+def load_workload(
+    name: str, vocab_size: int, seed: int = 0, limit: int | None = None
+) -> list[WorkItem]:
+    spec = json.loads(find_workload(name).read_text())
+    rng = random.Random(seed)
+    items = []
+    for req in spec["requests"][:limit]:
+        prompt = [rng.randrange(vocab_size) for _ in range(req["prompt_len"])]
+        items.append(WorkItem(str(req["id"]), prompt, req["max_tokens"]))
+    return items
