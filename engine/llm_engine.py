@@ -93,7 +93,9 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt: must not be empty")
-        return Request(request_id, token_ids, params, self.eos_token_ids)
+        request = Request(request_id, token_ids, params, self.eos_token_ids)
+        self.scheduler.check_request(request)
+        return request
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None

@@ -50,6 +50,13 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        self.check_request(request)
+        request.arrival_time = request.arrival_time or self.clock.now()
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if the request could never run here. Reads only the config."""
         if request.num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
         total = request.num_prompt_tokens + request.sampling_params.max_tokens
@@ -64,9 +71,6 @@ class Scheduler:
                 f"prompt + max_tokens ({total} tokens) needs more KV blocks than the cache "
                 f"holds ({self.kv_cache.num_blocks} of {self.kv_cache.block_size} tokens)"
             )
-        request.arrival_time = request.arrival_time or self.clock.now()
-        self.requests[rid] = request
-        self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests early (abort, stop string, error); unknown or ended ids are ignored."""

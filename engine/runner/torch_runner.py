@@ -61,6 +61,7 @@ class TorchModelRunner:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:

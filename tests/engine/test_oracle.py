@@ -53,24 +53,27 @@ def check_against_oracle(oracle, prompts, max_tokens, tokens) -> int:
 
 
 SCENARIOS = {
-    # name: (block_size, num_blocks, max_num_batched_tokens, max_num_seqs)
-    "roomy": (16, 512, 2048, 64),
-    "chunked-prefill": (4, 512, 7, 64),
-    "preemption": (4, 36, 64, 16),
-    "chunked+preemption": (2, 70, 13, 8),
-    "narrow-batch": (8, 256, 256, 2),
+    # name: (block_size, num_blocks, max_num_batched_tokens, max_num_seqs, batching)
+    "roomy": (16, 512, 2048, 64, "continuous"),
+    "chunked-prefill": (4, 512, 7, 64, "continuous"),
+    "preemption": (4, 36, 64, 16, "continuous"),
+    "chunked+preemption": (2, 70, 13, 8, "continuous"),
+    "narrow-batch": (8, 256, 256, 2, "continuous"),
+    "static": (4, 512, 32, 4, "static"),
 }
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
-    block_size, num_blocks, budget, max_seqs = SCENARIOS[scenario]
+    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
     engine = LLMEngine(
         EngineConfig(
             model=tiny_model,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_seqs, max_num_batched_tokens=budget, batching=batching
+            ),
         )
     )
     rng = random.Random(seed)

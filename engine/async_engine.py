@@ -1,0 +1,141 @@
+"""asyncio front of the engine: one background loop steps the engine in a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.core.config import EngineConfig
+from engine.core.outputs import RequestOutput
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    """`async for out in engine.generate(...)` yields per-step deltas of one request.
+
+    The engine is touched only between steps, from the event loop thread, and each step runs
+    in a single worker thread, so the event loop is never blocked by a forward pass.
+    Leaving the `async for` early (break, cancellation, client disconnect) aborts the request
+    and frees its blocks before the next step.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
+        return cls(LLMEngine(config, **kwargs))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str,
+    ) -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = self.engine.make_request(request_id, prompt, params)  # ValueError: bad input
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._pending_adds.append(request)
+        self._kick()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._pending_aborts.append(request_id)
+                self._kick()
+
+    async def abort(self, request_id: str) -> None:
+        self._pending_aborts.append(request_id)
+        self._kick()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until nothing is queued or running (for tests and graceful shutdown)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError("engine did not become idle")
+            await asyncio.sleep(0.01)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------ the loop
+    def _kick(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request in adds:
+            if request.request_id in self._pending_aborts:
+                continue  # cancelled before it was ever queued
+            try:
+                self.engine.add_prepared(request)
+            except ValueError as exc:
+                stream = self._streams.get(request.request_id)
+                if stream is not None:
+                    stream.put_nowait(exc)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        if aborts:
+            self.engine.abort(aborts)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.clear()
+                if not (self._pending_adds or self._pending_aborts):
+                    await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # the engine itself broke: fail every open stream
+                logger.exception("engine step raised")
+                for stream in self._streams.values():
+                    stream.put_nowait(exc)
+                self.engine.abort(list(self._streams))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+            await asyncio.sleep(0)  # let consumers run before the next step

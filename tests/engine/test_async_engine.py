@@ -1,0 +1,137 @@
+"""AsyncLLMEngine: streams deltas, aborts on cancel and frees blocks, steps off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+
+
+def make_engine(tiny_model) -> AsyncLLMEngine:
+    return AsyncLLMEngine(
+        LLMEngine(
+            EngineConfig(
+                model=tiny_model,
+                cache=CacheConfig(block_size=4, num_blocks=300),
+                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
+            )
+        )
+    )
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def assert_all_blocks_free(engine: AsyncLLMEngine) -> None:
+    kv = engine.engine.scheduler.kv_cache
+    engine.engine.scheduler.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_concurrent_streams_match_offline_generate(tiny_model):
+    prompts = ["one", "two two", "three three three", "four"]
+
+    async def main():
+        engine = make_engine(tiny_model)
+
+        async def collect(i: int) -> list[int]:
+            tokens = []
+            async for out in engine.generate(prompts[i], greedy(12), request_id=f"r{i}"):
+                tokens.extend(out.new_token_ids)
+            return tokens
+
+        got = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+        await engine.wait_idle()
+        assert_all_blocks_free(engine)
+        await engine.shutdown()
+        return got
+
+    got = asyncio.run(main())
+    offline = make_engine(tiny_model).engine.generate(prompts, greedy(12))
+    assert got == [r.token_ids for r in offline]
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks(tiny_model):
+    async def main():
+        engine = make_engine(tiny_model)
+        seen = 0
+        async for out in engine.generate("a long story", greedy(200), request_id="quit"):
+            seen += len(out.new_token_ids)
+            if seen >= 3:
+                break
+
+        # A cancelled consumer task does the same.
+        async def consume():
+            async for _ in engine.generate("another", greedy(200), request_id="cancel"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.wait_idle()
+        assert engine.num_streams == 0
+        assert_all_blocks_free(engine)
+        await engine.shutdown()
+        return seen
+
+    assert asyncio.run(main()) == 3
+
+
+def test_bad_input_raises_at_once_and_others_keep_streaming(tiny_model):
+    async def main():
+        engine = make_engine(tiny_model)
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=2.0)
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in engine.generate("", greedy(4), request_id="bad"):
+                pass
+        n = 0
+        async for out in engine.generate("fine", greedy(5), request_id="ok"):
+            n += len(out.new_token_ids)
+        await engine.wait_idle()
+        assert_all_blocks_free(engine)
+        await engine.shutdown()
+        return n
+
+    assert asyncio.run(main()) == 5
+
+
+def test_forward_runs_off_the_event_loop_thread(tiny_model):
+    async def main():
+        engine = make_engine(tiny_model)
+        step_threads = set()
+        runner = engine.engine.runner
+        original = runner.execute
+
+        def recording_execute(out):
+            step_threads.add(threading.get_ident())
+            return original(out)
+
+        runner.execute = recording_execute
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick_task = asyncio.create_task(ticker())
+        async for _ in engine.generate("hello", greedy(30), request_id="t"):
+            pass
+        tick_task.cancel()
+        await engine.shutdown()
+        return step_threads, ticks
+
+    threads, ticks = asyncio.run(main())
+    assert threads and threading.get_ident() not in threads
+    assert ticks > 30  # the loop kept running between and during steps
