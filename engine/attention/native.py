@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 _BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 

@@ -79,7 +79,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place: the activations of a prefill chunk are tens of MB.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -121,8 +122,8 @@ class Decoder(nn.Module):
             a = layer.self_attn(
                 layer.input_layernorm(h), positions, self.rope, kv_cache, backend, metadata
             )
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + a  # a fresh tensor: h may be the embedding output
+            h += layer.mlp(layer.post_attention_layernorm(h))
         # Only the rows we sample from need the final norm and the (large) vocab projection.
         h = self.norm(h[logits_indices])
         return self.lm_head(h).float()

@@ -13,6 +13,7 @@ from engine.core.config import CacheConfig, EngineConfig
 from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.model.decoder import Decoder
 from engine.model.loader import DecoderSpec, load_state_dict, read_spec
+from engine.runner.malloc_tuning import keep_freed_memory_in_heap
 from engine.sampler import Sampler
 
 
@@ -32,6 +33,8 @@ class TorchModelRunner:
             )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory_in_heap()
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
