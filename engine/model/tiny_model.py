@@ -43,11 +43,27 @@ SIZES = {
     "small": ModelSize(768, 12, 12, 4, 2048, 16384, 4096, 0.05),
 }
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# name: (config class, model class, config overrides)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
+    # Tied embeddings, as in small Qwen2 checkpoints: no lm_head.weight in the file.
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": False, "tie_word_embeddings": True},
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
 }
 
 _SYLLABLES = [
@@ -160,7 +176,7 @@ def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id
 
     spec = SIZES[size]
     config_cls_name, model_cls_name, extra = ARCHS[arch]
-    extra = dict(extra)
+    extra = {"tie_word_embeddings": False, **extra}
     if arch == "qwen3":
         extra["head_dim"] = spec.hidden_size // spec.num_attention_heads
     config = getattr(transformers, config_cls_name)(
@@ -172,7 +188,6 @@ def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,

@@ -86,3 +86,26 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_model):
 def test_bad_engine_config_names_the_field(make, name):
     with pytest.raises(ValueError, match=name):
         make()
+
+
+def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(tiny_model):
+    engine = LLMEngine(
+        EngineConfig(model=tiny_model, cache=CacheConfig(block_size=4, num_blocks=100))
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("doomed", "hello there", greedy)
+    engine.step()
+    real_execute = engine.runner.execute
+
+    def fault_once(scheduler_output):  # a fault injected into one step (e.g. a device error)
+        engine.runner.execute = real_execute
+        raise RuntimeError("injected device fault")
+
+    engine.runner.execute = fault_once
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("doomed", "error")]
+    assert "injected device fault" in outs[0].error
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_blocks
+    after = engine.generate(["still serving"], greedy)[0]
+    assert len(after.token_ids) == 5 and after.finish_reason == "length"

@@ -87,7 +87,7 @@ def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
         assert engine.scheduler.num_preemptions_total > 0, "scenario meant to force preemption"
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "llama3"])
 def test_other_llama_family_architectures_match_hf(arch):
     model_dir = tiny_model_dir(arch)
     oracle = HFOracle(model_dir)
