@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.model.loader import DecoderSpec
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # Fused, and bit-identical to the formula below in float32 (checked by the oracle).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,20 +55,22 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         metadata: object,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1
+            )
+        # q and k rotated together: one pass over both instead of two.
+        qk = apply_rope(qk, *cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -118,10 +123,9 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Return float32 logits [len(logits_indices), vocab] for the tokens to sample from."""
         h = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, h.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            a = layer.self_attn(
-                layer.input_layernorm(h), positions, self.rope, kv_cache, backend, metadata
-            )
+            a = layer.self_attn(layer.input_layernorm(h), cos_sin, kv_cache, backend, metadata)
             h = h + a  # a fresh tensor: h may be the embedding output
             h += layer.mlp(layer.post_attention_layernorm(h))
         # Only the rows we sample from need the final norm and the (large) vocab projection.

@@ -37,17 +37,25 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        sin = emb.sin()
+        half = head_dim // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.register_buffer("signed_sin", signed, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos and sign-folded sin for the given positions, shaped [T, 1, D]."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.signed_sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's negation folded into the sin table
+    (negation is exact, so the result is bit-identical to HF's formula)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * cos
+    out += swapped.mul_(signed_sin)  # not addcmul: a fused multiply-add would round differently
+    return out
