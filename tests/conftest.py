@@ -19,3 +19,17 @@ def tiny_model_dir(arch: str = "llama") -> str:
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     return tiny_model_dir("llama")
+
+
+def build_engine(model: str, block_size: int = 4, num_blocks: int = 300, **scheduler):
+    """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
+    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(**scheduler),
+        )
+    )

@@ -8,20 +8,13 @@ import threading
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
-from engine.llm_engine import LLMEngine
+from tests.conftest import build_engine
 
 
 def make_engine(tiny_model) -> AsyncLLMEngine:
     return AsyncLLMEngine(
-        LLMEngine(
-            EngineConfig(
-                model=tiny_model,
-                cache=CacheConfig(block_size=4, num_blocks=300),
-                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
-            )
-        )
+        build_engine(tiny_model, num_blocks=300, max_num_seqs=8, max_num_batched_tokens=32)
     )
 
 

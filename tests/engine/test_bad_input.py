@@ -10,17 +10,12 @@ import pytest
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+from tests.conftest import build_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=tiny_model,
-            cache=CacheConfig(block_size=4, num_blocks=200),
-            scheduler=SchedulerConfig(max_model_len=128),
-        )
-    )
+    return build_engine(tiny_model, num_blocks=200, max_model_len=128)
 
 
 BAD_REQUESTS = [
@@ -89,9 +84,7 @@ def test_bad_engine_config_names_the_field(make, name):
 
 
 def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(tiny_model):
-    engine = LLMEngine(
-        EngineConfig(model=tiny_model, cache=CacheConfig(block_size=4, num_blocks=100))
-    )
+    engine = build_engine(tiny_model, num_blocks=100)
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     engine.add_request("doomed", "hello there", greedy)
     engine.step()

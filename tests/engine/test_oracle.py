@@ -7,10 +7,9 @@ import random
 
 import pytest
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from tests.conftest import tiny_model_dir
+from tests.conftest import build_engine, tiny_model_dir
 from tests.engine.oracle import HFOracle
 
 
@@ -67,14 +66,13 @@ SCENARIOS = {
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
     block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
-    engine = LLMEngine(
-        EngineConfig(
-            model=tiny_model,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_seqs, max_num_batched_tokens=budget, batching=batching
-            ),
-        )
+    engine = build_engine(
+        tiny_model,
+        block_size,
+        num_blocks,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        batching=batching,
     )
     rng = random.Random(seed)
     n = 14
@@ -91,13 +89,7 @@ def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
 def test_other_llama_family_architectures_match_hf(arch):
     model_dir = tiny_model_dir(arch)
     oracle = HFOracle(model_dir)
-    engine = LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            cache=CacheConfig(block_size=4, num_blocks=60),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16),
-        )
-    )
+    engine = build_engine(model_dir, 4, 60, max_num_seqs=8, max_num_batched_tokens=16)
     prompts = random_prompts(7, 8, max_len=40)
     max_tokens = [16] * len(prompts)
     tokens = run_mix(engine, prompts, max_tokens, [0, 0, 0, 0, 2, 4, 6, 8])

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
+from tests.conftest import build_engine
 
 PROMPTS = ["Hello there", "The quick brown fox", "Café", "def step(self):", "x"]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=tiny_model,
-            cache=CacheConfig(block_size=4, num_blocks=400),
-            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
-        )
-    )
+    return build_engine(tiny_model, num_blocks=400, max_num_seqs=16, max_num_batched_tokens=64)
 
 
 @pytest.fixture(autouse=True)
