@@ -67,6 +67,7 @@ class LLMEngine:
         kv = KVCacheManager(runner.num_kv_blocks(), config.cache.block_size)
         self.scheduler = Scheduler(sched_config, kv, clock or MonotonicClock())
         self._tracked: dict[str, _Tracked] = {}
+        self._generate_calls = 0
 
     # ------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -183,7 +184,8 @@ class LLMEngine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("params: need one SamplingParams per prompt")
-        ids = [f"generate-{i}" for i in range(len(prompts))]
+        self._generate_calls += 1
+        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
         results: dict[str, GenerationResult] = {}
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             req = self.make_request(rid, prompt, p)
