@@ -144,10 +144,9 @@ class LLMEngine:
                 continue
             text, hit_stop = tracked.detokenizer.update(core.new_token_ids, core.finished)
             finish_reason = core.finish_reason
-            if hit_stop and not core.finished:
-                stopped.append(core.request_id)
-                finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
-            elif hit_stop:
+            if hit_stop:  # a stop string ends the request whatever else happened this step
+                if not core.finished:
+                    stopped.append(core.request_id)
                 finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
             req = tracked.request
             outputs.append(
