@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-gb", type=float, default=4.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
@@ -157,34 +159,45 @@ def main(argv: list[str] | None = None) -> dict:
         "output_tokens": sum(it.max_tokens for it in items),
         "threads": torch.get_num_threads(),
     }
-    cont = run_engine(model_dir, items, "continuous", args)
-    peak = max(peak_before, peak_gemm_flops())  # measured on both sides of the engine run
-    result["peak_gemm_gflop_s"] = peak / 1e9
-    result["continuous_tok_s"] = cont["tok_s"]
-    result["continuous_wall_s"] = cont["wall_s"]
-    result["outside_forward_frac"] = cont["outside_forward_frac"]
-    result["preemptions"] = cont["preemptions"]
-    result["roofline_frac"] = flops / cont["wall_s"] / peak
-    if not args.skip_static:
-        static_args = argparse.Namespace(**{**vars(args), "max_num_seqs": args.static_max_num_seqs})
-        static = run_engine(model_dir, items, "static", static_args)
-        result["static_tok_s"] = static["tok_s"]
-        result["speedup_vs_static"] = cont["tok_s"] / static["tok_s"]
-    if not args.skip_hf:
-        hf = {}
-        for bs in [int(x) for x in args.hf_batch_sizes.split(",")]:
-            hf[bs] = run_hf_static(model_dir, items, bs)["tok_s"]
-            result[f"hf_static_bs{bs}_tok_s"] = hf[bs]
-        best = max(hf, key=hf.get)
-        result["hf_static_tok_s"] = hf[best]
-        result["hf_static_best_batch_size"] = best
-        result["speedup_vs_hf_static"] = cont["tok_s"] / hf[best]
+    static_args = argparse.Namespace(**{**vars(args), "max_num_seqs": args.static_max_num_seqs})
+    hf_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
+    rounds = []
+    for _ in range(args.repeat):
+        # One round runs every contender back to back, so its ratios share the machine's mood.
+        r: dict = {}
+        cont = run_engine(model_dir, items, "continuous", args)
+        r["continuous_tok_s"] = cont["tok_s"]
+        r["continuous_wall_s"] = cont["wall_s"]
+        r["outside_forward_frac"] = cont["outside_forward_frac"]
+        r["preemptions"] = cont["preemptions"]
+        r["peak_gemm_gflop_s"] = max(peak_before, peak_gemm_flops()) / 1e9
+        r["roofline_frac"] = flops / cont["wall_s"] / (r["peak_gemm_gflop_s"] * 1e9)
+        if not args.skip_static:
+            r["static_tok_s"] = run_engine(model_dir, items, "static", static_args)["tok_s"]
+            r["speedup_vs_static"] = r["continuous_tok_s"] / r["static_tok_s"]
+        if not args.skip_hf:
+            hf = {bs: run_hf_static(model_dir, items, bs)["tok_s"] for bs in hf_sizes}
+            for bs, tok_s in hf.items():
+                r[f"hf_static_bs{bs}_tok_s"] = tok_s
+            best = max(hf, key=hf.get)
+            r["hf_static_tok_s"] = hf[best]
+            r["hf_static_best_batch_size"] = best
+            r["speedup_vs_hf_static"] = r["continuous_tok_s"] / hf[best]
+        rounds.append(r)
+    # Each figure is the median over rounds (ratios: the median of per-round ratios).
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        result[key] = statistics.median(values) if isinstance(values[0], float) else values[-1]
+    if args.repeat > 1:
+        result["rounds"] = rounds
 
     if args.json:
         print(json.dumps(result))
     else:
         width = max(len(k) for k in result)
         for key, value in result.items():
+            if key == "rounds":
+                continue
             shown = f"{value:.3f}" if isinstance(value, float) else value
             print(f"{key:<{width}}  {shown}")
     return result
