@@ -30,7 +30,9 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_block_table: torch.Tensor  # [Bd, nb]
     decode_seq_lens: torch.Tensor  # [Bd] int64
-    decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: key is within context
+    # [Bd, 1, 1, nb * block_size] bool, key within context; built only by the reference path
+    # (the native kernel reads seq_lens), at most once per step.
+    decode_mask: torch.Tensor | None
     prefills: list[_Prefill]
 
 
@@ -53,12 +55,9 @@ class TorchAttentionBackend(AttentionBackend):
             seq_lens = torch.tensor(layout.seq_lens[:nd], device=device)
             nb = -(-int(max(layout.seq_lens[:nd])) // bs)
             dbt = layout.block_table[:nd, :nb]
-            keys = torch.arange(nb * bs, device=device)
-            dmask = (keys[None, :] < seq_lens[:, None]).view(nd, 1, 1, nb * bs)
         else:
             seq_lens = torch.zeros(0, dtype=torch.long, device=device)
             dbt = layout.block_table[:0]
-            dmask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)
         prefills = []
         for i in range(nd, len(layout.seq_lens)):
             start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
@@ -71,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(seq_len, device=device)
             mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb], mask))
-        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, seq_lens, dmask, prefills)
+        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, seq_lens, None, prefills)
 
     def forward(
         self,
@@ -99,6 +98,11 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
             )
         elif nd:
+            if m.decode_mask is None:
+                keys = torch.arange(
+                    m.decode_block_table.shape[1] * k_cache.shape[1], device=q.device
+                )
+                m.decode_mask = (keys[None, :] < m.decode_seq_lens[:, None]).view(nd, 1, 1, -1)
             length = m.decode_mask.shape[-1]
             kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
             vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
