@@ -56,6 +56,10 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await stream.get()
+                # A slow consumer gets everything produced since its last read as one delta.
+                while not stream.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    later = stream.get_nowait()
+                    item = item.merge(later) if isinstance(later, RequestOutput) else later
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -75,7 +79,16 @@ class AsyncLLMEngine:
 
     @property
     def num_streams(self) -> int:
+        """Requests accepted and not yet ended (queued, running, or waiting to be added)."""
         return len(self._streams)
+
+    @property
+    def loop_error(self) -> BaseException | None:
+        """The exception that ended the background loop, if it died (health checks)."""
+        task = self._loop_task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until nothing is queued or running (for tests and graceful shutdown)."""

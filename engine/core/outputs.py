@@ -69,6 +69,19 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
 
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta."""
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens,
+            error=later.error,
+        )
+
 
 @dataclass
 class GenerationResult:
@@ -93,3 +106,5 @@ class SchedulerStats:
     max_num_batched_tokens: int
     num_preemptions_total: int
     num_steps_total: int
+    # Ended requests by finish reason ("stop", "length", "abort", "error").
+    num_finished_total: dict[str, int] = field(default_factory=dict)

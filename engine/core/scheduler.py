@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from engine.core.clock import Clock, MonotonicClock
@@ -43,6 +43,7 @@ class Scheduler:
         self._static_admitted = 0  # members admitted into the current static batch
         self.num_preemptions_total = 0
         self.num_steps_total = 0
+        self.num_finished_total: Counter[str] = Counter()  # by finish reason
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -190,6 +191,7 @@ class Scheduler:
             max_num_batched_tokens=self.limits.max_num_batched_tokens,
             num_preemptions_total=self.num_preemptions_total,
             num_steps_total=self.num_steps_total,
+            num_finished_total=dict(self.num_finished_total),
         )
 
     def check_integrity(self) -> None:
@@ -262,6 +264,7 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.num_finished_total[status.value] += 1
         self.kv_cache.free(request.request_id)
         del self.requests[request.request_id]
         self._ended_since_last_step.append(request.request_id)

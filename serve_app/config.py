@@ -1,0 +1,133 @@
+"""The `args:` of deploy.yaml, validated at the edge: a typo is an error that names the field."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineArgs(_Strict):
+    """Settings of the engine inside every engine replica."""
+
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="Weight and activation dtype."
+    )
+    device: str = Field("cpu", description="torch device of the engine: 'cpu' or 'cuda'.")
+    attention_backend: Literal["torch", "flash"] = Field(
+        "torch", description="Paged attention kernels: 'torch' (any device) or 'flash' (CUDA)."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    kv_cache_bytes: int | None = Field(
+        256 << 20,
+        ge=1,
+        description="KV cache byte budget per replica (the rule on CPU). Null: use "
+        "gpu_memory_fraction.",
+    )
+    gpu_memory_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="Share of GPU memory for weights + KV cache."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one step's batch.")
+    max_num_batched_tokens: int = Field(
+        1024, ge=1, description="Most tokens (prefill chunks + decodes) in one step."
+    )
+    max_model_len: int = Field(
+        2048, ge=2, description="Longest prompt + completion, in tokens, a request may have."
+    )
+    batching: Literal["continuous", "static"] = Field(
+        "continuous", description="'static' is the naive baseline, for A/B runs only."
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of the engine (CPU). Null: torch's default."
+    )
+    seed: int = Field(0, description="Seed of the engine's default sampling generator.")
+
+    def engine_config(self, model: str) -> EngineConfig:
+        return EngineConfig(
+            model=model,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            seed=self.seed,
+            num_threads=self.num_threads,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_bytes=self.kv_cache_bytes,
+                gpu_memory_fraction=self.gpu_memory_fraction,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                batching=self.batching,
+            ),
+        )
+
+
+class RoutingArgs(_Strict):
+    """How the ingress picks an engine replica for each request."""
+
+    prefix_affinity: bool = Field(
+        True,
+        description="Send requests whose prompts share their first prefix_tokens tokens to the "
+        "same replica (its KV cache is warm for them), unless it is much busier than the others.",
+    )
+    prefix_tokens: int = Field(
+        64, ge=1, description="How many leading prompt tokens define the affinity key."
+    )
+    max_imbalance: int = Field(
+        8,
+        ge=0,
+        description="Affinity yields to least-loaded routing when the preferred replica has this "
+        "many more outstanding requests than the least loaded one.",
+    )
+
+
+class ReplicaArgs(_Strict):
+    """Replica count and Ray resources of one deployment."""
+
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count.")
+    num_cpus: float = Field(1.0, ge=0.0, description="Ray logical CPUs per replica.")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica (0 on CPU machines).")
+
+
+class AppArgs(_Strict):
+    """Everything `serve_app:build_app` needs; deploy.yaml's `args:`."""
+
+    model: str = Field(description="Local HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3).")
+    served_model_name: str | None = Field(
+        None, description="Model id clients send in `model`. Null: the directory's name."
+    )
+    engine: EngineArgs = Field(default_factory=EngineArgs, description="Engine settings.")
+    max_queued_requests: int = Field(
+        64,
+        ge=0,
+        description="Requests an engine replica holds beyond a full batch (max_num_seqs); more "
+        "are answered 429 with Retry-After.",
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429.")
+    routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")
+    engine_replicas: ReplicaArgs = Field(
+        default_factory=ReplicaArgs, description="Engine replicas (the GPU actors)."
+    )
+    ingress_replicas: ReplicaArgs = Field(
+        default_factory=lambda: ReplicaArgs(num_cpus=0.5),
+        description="OpenAI ingress replicas (tokenize, route, stream).",
+    )
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def replica_capacity(self) -> int:
+        """Requests one engine replica accepts at once: a full batch plus its queue."""
+        return self.engine.max_num_seqs + self.max_queued_requests

@@ -1,0 +1,188 @@
+"""OpenAI request bodies (validated, unknown fields rejected by name) and response records."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.core.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted only at their neutral values: anything else is answered 400, naming the field.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else value or []
+        if any(not s for s in items):
+            raise ValueError("stop strings must not be empty")
+        if len(items) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) of the first field we accept syntactically but cannot honour."""
+        if self.n != 1:
+            return "n", "n > 1 is not supported yet; send one request per completion"
+        if self.presence_penalty != 0.0:
+            return "presence_penalty", "presence_penalty is not supported yet"
+        if self.frequency_penalty != 0.0:
+            return "frequency_penalty", "frequency_penalty is not supported yet"
+        return None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported yet"
+        if self.echo:
+            return "echo", "echo is not supported yet"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of > 1 is not supported yet"
+        return super().unsupported()
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; batched prompts are a 400 naming `prompt`."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and all(isinstance(t, int) for t in p):
+            return p  # type: ignore[return-value]
+        if isinstance(p, list) and len(p) == 1:
+            return p[0]  # type: ignore[return-value]
+        raise ValueError("prompt: send one prompt per request (lists of prompts are not supported)")
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("messages: only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs are not supported yet"
+        return super().unsupported()
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(
+    message: str, err_type: str = "invalid_request_error", param: str | None = None, code=None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_delta_choice(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def field_of_message(message: str) -> str | None:
+    """Our ValueErrors start with the field's name ('max_tokens must be ...', 'prompt: ...')."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.isidentifier() else None

@@ -1,0 +1,72 @@
+"""LoadAwareRouter: least-loaded engine replica, with optional prompt-prefix affinity.
+
+Load is a replica's outstanding requests (queued + running): Serve's queue-length cache,
+which the router updates on every send and every probe, falling back to the replica's own
+`record_routing_stats()`. Prefix affinity uses rendezvous hashing of the first
+`prefix_tokens` prompt tokens over replica ids, so every ingress replica sends the same prefix
+to the same engine replica without sharing state, and a replica joining or leaving moves only
+its own share of prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from array import array
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+def prefix_key(token_ids: list[int], prefix_tokens: int) -> bytes:
+    return hashlib.blake2b(array("q", token_ids[:prefix_tokens]).tobytes(), digest_size=8).digest()
+
+
+def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
+    """The replica id with the highest hash(key, id): stable, and uniform over prefixes."""
+    return max(
+        replica_ids, key=lambda rid: hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
+    )
+
+
+class LoadAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(
+        self, prefix_affinity: bool = True, prefix_tokens: int = 64, max_imbalance: int = 8
+    ) -> None:
+        self.prefix_affinity = prefix_affinity
+        self.prefix_tokens = prefix_tokens
+        self.max_imbalance = max_imbalance
+
+    def replica_load(self, replica: RunningReplica) -> int:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        if cached is not None:
+            return cached
+        return int((replica.routing_stats or {}).get("num_streams", 0))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        # Shuffle first so equally loaded replicas share the work.
+        ranked = random.sample(candidate_replicas, len(candidate_replicas))
+        ranked.sort(key=self.replica_load)
+        prompt = _prompt_of(pending_request)
+        if self.prefix_affinity and prompt and len(ranked) > 1:
+            by_id = {r.replica_id.unique_id: r for r in ranked}
+            preferred = by_id[
+                rendezvous_choice(prefix_key(prompt, self.prefix_tokens), list(by_id))
+            ]
+            if self.replica_load(preferred) - self.replica_load(ranked[0]) <= self.max_imbalance:
+                return [[preferred], [r for r in ranked if r is not preferred]]
+        # One rank: Serve takes the lowest queue length among those that accept.
+        return [ranked]
+
+
+def _prompt_of(pending_request: PendingRequest | None) -> list[int] | None:
+    """EngineServer.generate(request_id, prompt_token_ids, params): the token ids, if any."""
+    if pending_request is None or len(pending_request.args) < 2:
+        return None
+    prompt = pending_request.args[1]
+    return prompt if isinstance(prompt, list) else None

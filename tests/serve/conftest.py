@@ -1,0 +1,125 @@
+"""A real local Ray instance with two Serve apps built by serve_app.build_app.
+
+`llm` (route /): 2 engine replicas behind 1 ingress, the deploy.yaml shape.
+`narrow` (route /narrow): 1 engine replica that holds 4 requests (2 running + 2 queued), for
+overload and disconnect tests where one replica's stats must tell the whole story.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.conftest import tiny_model_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(model: str, **overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "model": model,
+        "served_model_name": "tiny",
+        "engine": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64, "max_model_len": 512},
+        "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5},
+        "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},
+    }
+    args.update(overrides)
+    return args
+
+
+NARROW = {
+    "engine": {"kv_cache_bytes": 8 << 20, "max_num_seqs": 2, "max_model_len": 512},
+    "max_queued_requests": 2,
+    "retry_after_s": 2,
+    "engine_replicas": {"num_replicas": 1, "num_cpus": 0.5},
+}
+
+
+@dataclass
+class ServeCluster:
+    base_url: str  # http://127.0.0.1:PORT
+    model: str
+    args: dict[str, Any]
+
+    def v1(self, app: str = "") -> str:
+        return f"{self.base_url}{'/' + app if app else ''}/v1"
+
+    def engine_handle(self, app: str):
+        from ray import serve
+
+        return serve.get_deployment_handle("EngineServer", app_name=app)
+
+    def replica_stats(self, app: str, num_replicas: int, timeout: float = 20.0) -> dict[str, dict]:
+        """Stats of every engine replica of an app, keyed by replica id (polls until all seen)."""
+        handle = self.engine_handle(app)
+        seen: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(seen) < num_replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"saw {len(seen)} of {num_replicas} replicas")
+            stats = handle.stats.remote().result()
+            seen[stats["replica_id"]] = stats
+        return seen
+
+
+@pytest.fixture(scope="session")
+def serve_cluster() -> Iterator[ServeCluster]:
+    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
+    import ray
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from serve_app import build_app
+
+    model = tiny_model_dir("llama")
+    port = _free_port()
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=256 << 20,
+        configure_logging=False,
+    )
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": port},
+            logging_config={"enable_access_log": False},
+        )
+        args = app_args(model)
+        narrow = build_app(app_args(model, **NARROW))
+        serve.run_many(  # both apps start together
+            [
+                RunTarget(target=build_app(args), name="llm", route_prefix="/"),
+                RunTarget(target=narrow, name="narrow", route_prefix="/narrow"),
+            ]
+        )
+        _wait_ready(f"http://127.0.0.1:{port}")
+        yield ServeCluster(f"http://127.0.0.1:{port}", model, args)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _wait_ready(base_url: str, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urls = (f"{base_url}/health", f"{base_url}/narrow/health")
+            if all(httpx.get(url, timeout=5).status_code == 200 for url in urls):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("Serve apps did not become ready")

@@ -1,0 +1,265 @@
+"""The OpenAI API over real HTTP (openai client and httpx) against a real local Serve app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from engine.core.sampling_params import SamplingParams
+from serve_app.config import AppArgs
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    "Hello, world.",
+    "The quick brown fox jumps over",
+    "Café au lait, s'il vous plaît",
+    "def step(self):\n    return",
+    "In the beginning",
+    "1 2 3 4 5 6 7 8",
+]
+
+
+@pytest.fixture(scope="module")
+def reference_engine(serve_cluster):
+    """The same engine settings, in process: the HTTP path must give the same greedy tokens."""
+    from engine.llm_engine import LLMEngine
+
+    args = AppArgs.model_validate(serve_cluster.args)
+    return LLMEngine(args.engine.engine_config(serve_cluster.model))
+
+
+@pytest.fixture(scope="module")
+def client(serve_cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=serve_cluster.v1(), api_key="unused", max_retries=0)
+
+
+def _greedy(engine, prompts, max_tokens: int, **kw) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+    return [r.text for r in engine.generate(prompts, params)]
+
+
+def test_models_health_and_metrics(serve_cluster, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(f"{serve_cluster.base_url}/health").status_code == 200
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=2)
+    metrics = httpx.get(f"{serve_cluster.base_url}/metrics")
+    assert metrics.status_code == 200
+    assert 'dynabatch_requests_total{endpoint="completions",model="tiny",status="200"}' in (
+        metrics.text
+    )
+    assert "dynabatch_time_to_first_token_seconds_bucket" in metrics.text
+
+
+def test_completions_equal_in_process_engine(client, reference_engine):
+    expected = _greedy(reference_engine, PROMPTS, 24)
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        res = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert res.choices[0].text == want
+        assert res.choices[0].finish_reason == "length"
+        n_prompt = len(reference_engine.tokenize(prompt))
+        assert res.usage.prompt_tokens == n_prompt
+        assert res.usage.completion_tokens == 24
+        assert res.usage.total_tokens == n_prompt + 24
+
+
+def test_streamed_completion_equals_whole(client, reference_engine):
+    want = _greedy(reference_engine, [PROMPTS[1]], 40)[0]
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[1],
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+
+
+def test_chat_streaming_and_not(client, reference_engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    tok = reference_engine.tokenizer
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    want = _greedy(reference_engine, [ids], 16)[0]
+    whole = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].message.content == want
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(ids)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == len(ids) + 16
+
+
+def test_chat_without_max_tokens_fills_the_context(client):
+    res = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        temperature=0,
+        max_tokens=None,
+        extra_body={"ignore_eos": True},
+    )
+    assert res.usage.total_tokens == 512  # max_model_len of the test app
+
+
+def test_stop_string_is_cut(client, reference_engine):
+    full = _greedy(reference_engine, [PROMPTS[2]], 32)[0]
+    stop = full[10:14]
+    assert stop.strip(), full
+    res = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=32,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert res.choices[0].finish_reason == "stop"
+    assert res.choices[0].text == full[: full.index(stop)]
+
+
+def test_seed_reproduces_sampled_output(client):
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model="tiny",
+                prompt="Once upon a time",
+                max_tokens=24,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"frobnicate": True}, "frobnicate"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [999999]}, "prompt"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_bad_completion_fields_answer_400(serve_cluster, patch, param):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4} | patch
+    resp = httpx.post(f"{serve_cluster.v1()}/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    err = _error(resp)
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_bad_chat_fields_answer_400(serve_cluster):
+    url = f"{serve_cluster.v1()}/chat/completions"
+    resp = httpx.post(url, json={"model": "tiny", "messages": []})
+    assert resp.status_code == 400 and _error(resp)["param"] == "messages"
+    resp = httpx.post(url, json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+    assert resp.status_code == 400 and _error(resp)["param"].startswith("messages")
+
+
+def test_prompt_too_long_names_both_numbers(serve_cluster, reference_engine):
+    prompt = "word " * 600
+    n_prompt = len(reference_engine.tokenize(prompt))
+    resp = httpx.post(
+        f"{serve_cluster.v1()}/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 10},
+    )
+    assert resp.status_code == 400
+    err = _error(resp)
+    assert "512" in err["message"] and str(n_prompt) in err["message"], err
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+
+def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engine):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(64)]
+    expected = _greedy(reference_engine, prompts, 16)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(
+            base_url=serve_cluster.v1(),
+            api_key="unused",
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=128)),
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == expected
+    # Both engine replicas took part, and every block came back.
+    stats = serve_cluster.replica_stats("llm", 2)
+    assert all(s["num_finished_total"].get("length", 0) > 0 for s in stats.values()), stats
+    for s in stats.values():
+        assert s["num_used_blocks"] == 0 and s["num_streams"] == 0, s
