@@ -28,9 +28,9 @@ test: install models
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
-# Until the Serve app lands (issue 3), `make serve` runs the engine offline on the tiny model.
+# `serve run deploy.yaml` (local Ray, tiny model on CPU); prints curl and openai examples.
 serve: install models
-	$(PY) -m engine.demo --model models/tiny
+	$(PY) -m serve_app.launch deploy.yaml
 
 lint: install
 	$(PY) -m ruff check .

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.conftest import tiny_model_dir
+from tests.conftest import REPO, tiny_model_dir
 
 
 def _free_port() -> int:
@@ -25,16 +26,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def deploy_yaml_args() -> dict[str, Any]:
+    with open(REPO / "deploy.yaml") as f:
+        return yaml.safe_load(f)["applications"][0]["args"]
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in patch.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
+
+
 def app_args(model: str, **overrides: Any) -> dict[str, Any]:
-    args: dict[str, Any] = {
+    """deploy.yaml's args, resized for tests (smaller cache and context, two engine replicas)."""
+    test_sizes = {
         "model": model,
-        "served_model_name": "tiny",
         "engine": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64, "max_model_len": 512},
         "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5},
         "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},
     }
-    args.update(overrides)
-    return args
+    return _merge(_merge(deploy_yaml_args(), test_sizes), overrides)
 
 
 NARROW = {

@@ -1,0 +1,46 @@
+"""deploy.yaml and AppArgs: every field validated, a typo named, defaults sane."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from serve_app.config import AppArgs
+from tests.serve.conftest import deploy_yaml_args
+
+
+def test_deploy_yaml_args_validate():
+    args = AppArgs.model_validate(deploy_yaml_args())
+    assert args.model_name == "tiny"
+    assert args.engine_replicas.num_gpus == 0
+    assert args.replica_capacity == args.engine.max_num_seqs + args.max_queued_requests
+    config = args.engine.engine_config(args.model)
+    assert config.scheduler.max_model_len == args.engine.max_model_len
+    assert config.cache.kv_cache_bytes == args.engine.kv_cache_bytes
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"max_queued_request": 3}, "max_queued_request"),  # typo of max_queued_requests
+        ({"engine": {"max_num_seq": 8}}, "max_num_seq"),
+        ({"engine": {"max_num_seqs": 0}}, "max_num_seqs"),
+        ({"routing": {"prefix_tokens": 0}}, "prefix_tokens"),
+        ({"engine_replicas": {"num_gpu": 1}}, "num_gpu"),
+    ],
+)
+def test_bad_args_name_the_field(patch, field):
+    args = deploy_yaml_args()
+    for key, value in patch.items():
+        args[key] = {**args[key], **value} if isinstance(value, dict) else value
+    with pytest.raises(pydantic.ValidationError) as info:
+        AppArgs.model_validate(args)
+    assert field in str(info.value)
+
+
+def test_every_field_is_documented():
+    from serve_app.config import EngineArgs, ReplicaArgs, RoutingArgs
+
+    for model in (AppArgs, EngineArgs, RoutingArgs, ReplicaArgs):
+        for name, info in model.model_fields.items():
+            assert info.description, f"{model.__name__}.{name} has no description"
