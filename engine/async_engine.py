@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +35,8 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # Wall time inside engine.step(): against elapsed time it says how busy the engine is.
+        self.step_seconds_total = 0.0
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
@@ -107,6 +110,13 @@ class AsyncLLMEngine:
         self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------------ the loop
+    def _timed_step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        try:
+            return self.engine.step()
+        finally:
+            self.step_seconds_total += time.perf_counter() - start
+
     def _kick(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
@@ -139,7 +149,7 @@ class AsyncLLMEngine:
                     await self._wakeup.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._executor, self._timed_step)
             except Exception as exc:  # the engine itself broke: fail every open stream
                 logger.exception("engine step raised")
                 for stream in self._streams.values():

@@ -8,6 +8,7 @@ EngineRejection out.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -64,8 +65,19 @@ class EngineServer:
         except StopAsyncIteration:
             return
         yield first
+        interval = self.args.stream_interval_s
+        if interval <= 0.0:
+            async for out in stream:
+                yield out
+            return
+        held: RequestOutput | None = None
+        last_sent = time.monotonic()
         async for out in stream:
-            yield out
+            held = out if held is None else held.merge(out)
+            now = time.monotonic()
+            if out.finished or now - last_sent >= interval:
+                yield held
+                held, last_sent = None, now
 
     async def stats(self) -> dict[str, Any]:
         """This replica's scheduler stats plus stream bookkeeping (tests, /metrics, controller)."""
@@ -75,6 +87,7 @@ class EngineServer:
             num_streams=self.engine.num_streams,
             capacity=self.capacity,
             num_rejected_total=self.num_rejected_total,
+            step_seconds_total=self.engine.step_seconds_total,
         )
         return stats
 

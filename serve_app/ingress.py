@@ -81,6 +81,7 @@ class _Prepared:
     params: Any  # SamplingParams
     endpoint: str
     include_usage: bool
+    continuous_usage: bool
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -197,7 +198,14 @@ class OpenAIIngress:
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=oai.field_of_message(str(exc))) from None
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        return _Prepared(oai.new_id(prefix), prompt_ids, params, endpoint, body.include_usage)
+        return _Prepared(
+            oai.new_id(prefix),
+            prompt_ids,
+            params,
+            endpoint,
+            body.include_usage,
+            body.continuous_usage,
+        )
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -304,7 +312,10 @@ class OpenAIIngress:
             base["usage"] = None
 
         def event(choices: list[dict[str, Any]]) -> str:
-            return f"data: {json.dumps(base | {'choices': choices})}\n\n"
+            chunk = base | {"choices": choices}
+            if prep.continuous_usage:  # usage so far on every chunk (vLLM's extension)
+                chunk["usage"] = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
+            return f"data: {json.dumps(chunk)}\n\n"
 
         ttft = time.perf_counter() - prep.started
         last = first

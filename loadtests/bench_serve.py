@@ -1,0 +1,303 @@
+"""Serving overhead: the standard workload through HTTP (Ray Serve) vs in process, one run.
+
+    python -m loadtests.bench_serve [--model small] [--concurrency 32] [--json]
+
+Both sides run the same engine settings and the same closed loop: `concurrency` clients, each
+sending its next request when the previous one ends, streaming. In process the clients call
+AsyncLLMEngine directly; over HTTP they are SSE streams to /v1/completions through the Serve
+proxy, the OpenAI ingress and one engine replica. Prints output tokens/s of each, their ratio,
+and TTFT and ITL (mean inter-token latency of a request) p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from engine.core.sampling_params import SamplingParams
+from engine.model.tiny_model import make_model
+from loadtests.workload import WorkItem, load_workload
+from serve_app.config import AppArgs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RequestTiming:
+    start: float
+    first_token: float | None = None
+    end: float = 0.0
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return (self.first_token or self.end) - self.start
+
+    @property
+    def itl(self) -> float | None:
+        if self.tokens < 2 or self.first_token is None:
+            return None
+        return (self.end - self.first_token) / (self.tokens - 1)
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    timings: list[RequestTiming] = field(default_factory=list)
+    engine_step_s: float = float("nan")  # time inside engine.step() during the run
+
+    def summary(self) -> dict[str, float]:
+        tokens = sum(t.tokens for t in self.timings)
+        ttft = sorted(t.ttft for t in self.timings)
+        itl = sorted(x for t in self.timings if (x := t.itl) is not None)
+        return {
+            "tok_s": tokens / self.wall_s,
+            "wall_s": self.wall_s,
+            "output_tokens": tokens,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+            "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "itl_p50_ms": 1e3 * percentile(itl, 50),
+            "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "engine_busy_frac": self.engine_step_s / self.wall_s,
+        }
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = (len(sorted_values) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+async def closed_loop(items: list[WorkItem], concurrency: int, one) -> RunResult:
+    """`concurrency` workers; each takes the next item when its last request ended."""
+    queue: asyncio.Queue[WorkItem] = asyncio.Queue()
+    for it in items:
+        queue.put_nowait(it)
+    timings: list[RequestTiming] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            timings.append(await one(queue.get_nowait()))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return RunResult(time.perf_counter() - start, timings)
+
+
+# --------------------------------------------------------------------------- in process
+async def run_inprocess(engine, items: list[WorkItem], concurrency: int) -> RunResult:
+    """`engine` is an AsyncLLMEngine; its loop lives on the running event loop."""
+
+    async def one(it: WorkItem) -> RequestTiming:
+        params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
+        t = RequestTiming(time.perf_counter())
+        async for out in engine.generate(it.prompt_token_ids, params, it.request_id):
+            if out.new_token_ids and t.first_token is None:
+                t.first_token = time.perf_counter()
+            t.tokens = out.num_output_tokens
+        t.end = time.perf_counter()
+        return t
+
+    await one(items[0])  # warm-up: first-use costs stay out of the figure
+    busy = engine.step_seconds_total
+    result = await closed_loop(items, concurrency, one)
+    result.engine_step_s = engine.step_seconds_total - busy
+    return result
+
+
+# --------------------------------------------------------------------------------- HTTP
+async def run_http(base_v1: str, model: str, items: list[WorkItem], concurrency: int) -> RunResult:
+    import httpx
+
+    async def one(http: httpx.AsyncClient, it: WorkItem) -> RequestTiming:
+        body = {
+            "model": model,
+            "prompt": it.prompt_token_ids,
+            "max_tokens": it.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        t = RequestTiming(time.perf_counter())
+        async with http.stream("POST", f"{base_v1}/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {await resp.aread()!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                usage = json.loads(line[6:]).get("usage") or {}
+                n = usage.get("completion_tokens", 0)
+                if n and t.first_token is None:
+                    t.first_token = time.perf_counter()
+                t.tokens = max(t.tokens, n)
+        t.end = time.perf_counter()
+        return t
+
+    from ray import serve
+
+    engine = serve.get_deployment_handle("EngineServer", app_name="bench")
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        await one(http, items[0])
+        busy = (await engine.stats.remote())["step_seconds_total"]
+        result = await closed_loop(items, concurrency, lambda it: one(http, it))
+        result.engine_step_s = (await engine.stats.remote())["step_seconds_total"] - busy
+        return result
+
+
+def start_serve(args: AppArgs) -> str:
+    """A local Ray instance and the app; returns the /v1 base URL."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=256 << 20,
+        configure_logging=False,
+    )
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        logging_config={"enable_access_log": False, "log_level": "WARNING"},
+    )
+    serve.run(build_app(args), name="bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def stop_serve() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+# --------------------------------------------------------------------------------- main
+async def _rounds(opts, args: AppArgs, base_v1: str, items: list[WorkItem]) -> list[tuple]:
+    """Alternate in-process and HTTP rounds so that machine drift hits both alike."""
+    from engine.async_engine import AsyncLLMEngine
+    from engine.llm_engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(args.engine.engine_config(args.model)))
+    rounds = []
+    try:
+        for r in range(opts.repeat):
+            fresh = [replace(it, request_id=f"{it.request_id}#{r}") for it in items]
+            inproc = (await run_inprocess(engine, fresh, opts.concurrency)).summary()
+            http = (await run_http(base_v1, args.model_name, items, opts.concurrency)).summary()
+            rounds.append((inproc, http))
+            print(
+                f"round {r}: in process {inproc['tok_s']:.1f} tok/s, HTTP {http['tok_s']:.1f}"
+                f" tok/s, ratio {http['tok_s'] / inproc['tok_s']:.3f}",
+                file=sys.stderr,
+            )
+    finally:
+        await engine.shutdown()
+    return rounds
+
+
+def _median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="tiny | small | a checkpoint dir")
+    parser.add_argument("--workload", default="mixed-200")
+    parser.add_argument("--num-requests", type=int, default=None, help="first N requests only")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, help="alternating rounds; medians")
+    parser.add_argument(
+        "--stream-interval", type=float, default=0.0, help="AppArgs.stream_interval_s"
+    )
+    parser.add_argument("--json", action="store_true")
+    opts = parser.parse_args(argv)
+
+    model_dir = opts.model
+    if opts.model in ("tiny", "small"):
+        model_dir = str(make_model(REPO / "models" / opts.model, size=opts.model))
+    args = AppArgs.model_validate(
+        {
+            "model": model_dir,
+            "served_model_name": "bench",
+            "max_queued_requests": opts.concurrency,
+            "stream_interval_s": opts.stream_interval,
+            "engine": {
+                "kv_cache_bytes": int(opts.kv_cache_gb * 2**30),
+                "max_num_seqs": opts.concurrency,
+                "max_num_batched_tokens": opts.max_num_batched_tokens,
+                "max_model_len": 1024,
+                "num_threads": opts.threads,
+            },
+            "engine_replicas": {"num_replicas": 1, "num_cpus": 1},
+            "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.5},
+        }
+    )
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    items = load_workload(opts.workload, vocab, opts.seed, opts.num_requests)
+
+    base_v1 = start_serve(args)
+    try:
+        rounds = asyncio.run(_rounds(opts, args, base_v1, items))
+    finally:
+        stop_serve()
+    inproc = _median_summary([r[0] for r in rounds])
+    http = _median_summary([r[1] for r in rounds])
+
+    result: dict[str, Any] = {
+        "model": opts.model,
+        "num_requests": len(items),
+        "concurrency": opts.concurrency,
+        "http_tok_s": http["tok_s"],
+        "inprocess_tok_s": inproc["tok_s"],
+        "http_over_inprocess": http["tok_s"] / inproc["tok_s"],
+        "per_round_ratio": [h["tok_s"] / i["tok_s"] for i, h in rounds],
+        "stream_interval_s": opts.stream_interval,
+        "http": http,
+        "inprocess": inproc,
+    }
+    if opts.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{len(items)} requests, {opts.concurrency} concurrent streams, model {opts.model}")
+        print(
+            f"{'':12}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>9}"
+            f"{'busy':>7}  (ms; busy: engine time in step / wall)"
+        )
+        for name, r in (("in process", inproc), ("HTTP", http)):
+            print(
+                f"{name:12}{r['tok_s']:9.1f}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:9.1f}"
+                f"{r['itl_p50_ms']:9.2f}{r['itl_p99_ms']:9.2f}{r['engine_busy_frac']:7.2f}"
+            )
+        print(f"HTTP / in process: {result['http_over_inprocess']:.3f} (target >= 0.85)")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
