@@ -1,0 +1,41 @@
+"""The serving benchmark runs end to end on the tiny model (own Ray instance, subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_json_has_the_promised_keys(tiny_model):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loadtests.bench_serve",
+            "--model",
+            tiny_model,
+            "--num-requests",
+            "6",
+            "--concurrency",
+            "4",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{") :])
+    for key in ("http_tok_s", "inprocess_tok_s", "http_over_inprocess"):
+        assert result[key] > 0, key
+    for side in ("http", "inprocess"):
+        assert result[side]["output_tokens"] == result["inprocess"]["output_tokens"]
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+            assert result[side][key] > 0, (side, key)
