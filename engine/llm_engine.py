@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from engine.core.clock import Clock, MonotonicClock
-from engine.core.config import EngineConfig, SchedulerLimits
+from engine.core.config import EngineConfig
+from engine.core.engine_core import EngineCore
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats
+from engine.core.policy import BatchingPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -17,12 +18,6 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.runner.base import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-class BatchingPolicy(Protocol):
-    """Anything that turns scheduler stats into the next step's limits (cluster/batching.py)."""
-
-    def limits(self, stats: SchedulerStats) -> SchedulerLimits: ...
 
 
 @dataclass
@@ -61,13 +56,22 @@ class LLMEngine:
 
             runner = TorchModelRunner(config)
         self.runner = runner
-        self.policy = policy
         self.eos_token_ids = _eos_token_ids(config.model, tokenizer)
         sched_config = replace(config.scheduler, max_model_len=runner.max_model_len())
         kv = KVCacheManager(runner.num_kv_blocks(), config.cache.block_size)
-        self.scheduler = Scheduler(sched_config, kv, clock or MonotonicClock())
+        self.clock = clock or MonotonicClock()
+        self.scheduler = Scheduler(sched_config, kv, self.clock)
+        self.core = EngineCore(self.scheduler, runner, self.clock, policy)
         self._tracked: dict[str, _Tracked] = {}
         self._generate_calls = 0
+
+    @property
+    def policy(self) -> BatchingPolicy | None:
+        return self.core.policy
+
+    @policy.setter
+    def policy(self, policy: BatchingPolicy | None) -> None:
+        self.core.policy = policy
 
     # ------------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -124,18 +128,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        if self.policy is not None:
-            self.scheduler.set_limits(self.policy.limits(self.scheduler.stats()))
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_request_ids:
-            return []
-        try:
-            runner_out = self.runner.execute(sched_out)
-        except Exception as exc:  # a failed step fails its requests, not the engine
-            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            core_outs = self.scheduler.fail_step(sched_out)
-            return [self._error_output(o.request_id, repr(exc)) for o in core_outs]
-        core_outs = self.scheduler.update_from_output(sched_out, runner_out)
+        result = self.core.step()
+        if result.error is not None:
+            return [self._error_output(o.request_id, result.error) for o in result.outputs]
+        core_outs = result.outputs
         outputs = []
         stopped = []
         for core in core_outs:

@@ -70,6 +70,41 @@ class EngineArgs(_Strict):
         )
 
 
+class BatchingArgs(_Strict):
+    """The batch-size policy each engine replica applies between steps (cluster/batching.py)."""
+
+    policy: Literal["static", "memory_aware", "sla", "combined"] = Field(
+        "static",
+        description="static: engine.max_num_seqs fixed. memory_aware: as many sequences as fit "
+        "in eta of the KV cache. sla: keep decode-step latency at sla_target_ms. combined: the "
+        "minimum of both. Dynamic policies start from engine.max_num_seqs.",
+    )
+    eta: float = Field(0.95, gt=0.0, le=1.0, description="memory_aware: share of KV to fill.")
+    batch_size_lower: int = Field(1, ge=1, description="Least max_num_seqs a policy may set.")
+    batch_size_upper: int = Field(256, ge=1, description="Most max_num_seqs a policy may set.")
+    sla_target_ms: float = Field(50.0, gt=0.0, description="sla: decode-step latency target.")
+    sla_eps_ms: float = Field(5.0, ge=0.0, description="sla: half-width of the target band.")
+    sla_alpha: int = Field(4, ge=1, description="sla: least width of the search interval.")
+    sla_delta: int = Field(4, ge=1, description="sla: how far a bound moves per correction.")
+    sla_window: int = Field(16, ge=1, description="sla: decode-only steps averaged.")
+    sla_max_step: int = Field(8, ge=0, description="sla: most change per update (0: no limit).")
+
+    def make(self, max_num_seqs: int):
+        from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig, make_policy
+
+        bounds = Bounds(self.batch_size_lower, self.batch_size_upper)
+        sla = SlaConfig(
+            target_s=self.sla_target_ms / 1e3,
+            eps_s=self.sla_eps_ms / 1e3,
+            alpha=self.sla_alpha,
+            delta=self.sla_delta,
+            window=self.sla_window,
+            max_step=self.sla_max_step,
+            bounds=bounds,
+        )
+        return make_policy(self.policy, max_num_seqs, MemoryAwareConfig(self.eta, bounds), sla)
+
+
 class RoutingArgs(_Strict):
     """How the ingress picks an engine replica for each request."""
 
@@ -105,6 +140,9 @@ class AppArgs(_Strict):
         None, description="Model id clients send in `model`. Null: the directory's name."
     )
     engine: EngineArgs = Field(default_factory=EngineArgs, description="Engine settings.")
+    batching: BatchingArgs = Field(
+        default_factory=BatchingArgs, description="Batch-size policy of every engine replica."
+    )
     max_queued_requests: int = Field(
         64,
         ge=0,

@@ -40,7 +40,9 @@ class EngineServer:
 
         self.args = AppArgs.model_validate(args)
         self.capacity = self.args.replica_capacity
-        self.engine = AsyncLLMEngine(LLMEngine(self.args.engine.engine_config(self.args.model)))
+        policy = self.args.batching.make(self.args.engine.max_num_seqs)
+        config = self.args.engine.engine_config(self.args.model)
+        self.engine = AsyncLLMEngine(LLMEngine(config, policy=policy))
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else "local"
         self.num_rejected_total = 0

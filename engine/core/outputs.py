@@ -108,3 +108,9 @@ class SchedulerStats:
     num_steps_total: int
     # Ended requests by finish reason ("stop", "length", "abort", "error").
     num_finished_total: dict[str, int] = field(default_factory=dict)
+    num_decoding: int = 0  # running requests past their prefill
+    # The last step, for latency-driven policies: its batch, whether it was decode-only (no
+    # prefill chunk), and its duration as the engine's clock measured it.
+    last_step_num_seqs: int = 0
+    last_step_decode_only: bool = False
+    last_step_duration_s: float | None = None

@@ -44,6 +44,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_steps_total = 0
         self.num_finished_total: Counter[str] = Counter()  # by finish reason
+        self._last_step_num_seqs = 0
+        self._last_step_decode_only = False
+        self._last_step_duration_s: float | None = None
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -132,6 +135,11 @@ class Scheduler:
 
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         self.num_steps_total += 1
+        self._last_step_num_seqs = len(scheduled)
+        self._last_step_decode_only = bool(scheduled) and all(
+            s.num_tokens == 1 and s.num_output_tokens > 0 for s in scheduled
+        )
+        self._last_step_duration_s = None
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.limits.max_num_batched_tokens - budget,
@@ -179,6 +187,10 @@ class Scheduler:
         ]
 
     # ---------------------------------------------------------------------- inspection
+    def record_step_duration(self, seconds: float) -> None:
+        """The engine's measure of the step just executed (policies read it from stats)."""
+        self._last_step_duration_s = seconds
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
@@ -192,6 +204,14 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             num_steps_total=self.num_steps_total,
             num_finished_total=dict(self.num_finished_total),
+            num_decoding=sum(
+                1
+                for r in self.running
+                if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1
+            ),
+            last_step_num_seqs=self._last_step_num_seqs,
+            last_step_decode_only=self._last_step_decode_only,
+            last_step_duration_s=self._last_step_duration_s,
         )
 
     def check_integrity(self) -> None:

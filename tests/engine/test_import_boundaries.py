@@ -16,3 +16,14 @@ def test_engine_core_imports_neither_torch_nor_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_simulator_and_policies_import_neither_torch_nor_ray():
+    code = (
+        "import sys, cluster.batching, cluster.workload, cluster.simulator\n"
+        "import engine.runner.cost_model\n"
+        "loaded = sorted(n for n in ('torch', 'ray', 'transformers') if n in sys.modules)\n"
+        "print(','.join(loaded))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

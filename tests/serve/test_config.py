@@ -39,8 +39,15 @@ def test_bad_args_name_the_field(patch, field):
 
 
 def test_every_field_is_documented():
-    from serve_app.config import EngineArgs, ReplicaArgs, RoutingArgs
+    from serve_app.config import BatchingArgs, EngineArgs, ReplicaArgs, RoutingArgs
 
-    for model in (AppArgs, EngineArgs, RoutingArgs, ReplicaArgs):
+    for model in (AppArgs, EngineArgs, BatchingArgs, RoutingArgs, ReplicaArgs):
         for name, info in model.model_fields.items():
             assert info.description, f"{model.__name__}.{name} has no description"
+
+
+@pytest.mark.parametrize("policy", ["static", "memory_aware", "sla", "combined"])
+def test_batching_args_build_each_policy(policy):
+    args = AppArgs.model_validate({**deploy_yaml_args(), "batching": {"policy": policy}})
+    built = args.batching.make(args.engine.max_num_seqs)
+    assert type(built).__name__.lower().startswith(policy.split("_")[0][:3])

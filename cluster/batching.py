@@ -1,0 +1,197 @@
+"""Batch-size policies: pure functions of scheduler stats -> SchedulerLimits (no torch, no ray).
+
+The engine calls `policy.limits(stats)` before every step; the simulator and the controller
+call the same code. Policies only move `max_num_seqs`; the token budget stays as configured.
+
+- StaticPolicy:      a fixed max_num_seqs (the baseline).
+- MemoryAwarePolicy: Algorithm 1 of arXiv 2503.05248 (as the authors' public patch shows it).
+- SlaPolicy:         Algorithm 2, reconstructed (see ../shared/PAPER_NOTES.md and the class).
+- CombinedPolicy:    the minimum of the two.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.core.config import SchedulerLimits
+from engine.core.outputs import SchedulerStats
+from engine.core.policy import BatchingPolicy
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Hard bounds on max_num_seqs that every dynamic policy respects."""
+
+    lower: int = 1
+    upper: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.lower <= self.upper:
+            raise ValueError(f"batch size bounds need 1 <= lower <= upper, got {self}")
+
+    def clamp(self, b: int) -> int:
+        return min(max(b, self.lower), self.upper)
+
+
+class StaticPolicy:
+    def __init__(self, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
+
+    def limits(self, stats: SchedulerStats) -> SchedulerLimits:
+        return SchedulerLimits(self.max_num_seqs, stats.max_num_batched_tokens)
+
+
+# ----------------------------------------------------------------------- memory-aware
+@dataclass(frozen=True)
+class MemoryAwareConfig:
+    eta: float = 0.95  # share of the KV cache the running batch may fill
+    bounds: Bounds = Bounds()
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eta <= 1.0:
+            raise ValueError(f"eta must be in (0, 1], got {self.eta}")
+
+
+class MemoryAwarePolicy:
+    """Algorithm 1: as many sequences as fit in eta of the cache at the current blocks/seq.
+
+    Only under pressure (requests both running and waiting) does it move; otherwise it keeps
+    the last value. It never goes below the running count (no eviction by policy); the
+    scheduler still preempts if the estimate was optimistic.
+    """
+
+    def __init__(self, config: MemoryAwareConfig, initial: int) -> None:
+        self.config = config
+        self.b = config.bounds.clamp(initial)
+
+    def next_batch_size(self, stats: SchedulerStats) -> int:
+        if stats.num_waiting and stats.num_running and stats.num_used_blocks:
+            per_seq = stats.num_used_blocks / stats.num_running
+            b = math.floor(self.config.eta * stats.num_total_blocks / per_seq)
+            self.b = self.config.bounds.clamp(max(b, stats.num_running))
+        return self.config.bounds.clamp(max(self.b, stats.num_running))
+
+    def limits(self, stats: SchedulerStats) -> SchedulerLimits:
+        return SchedulerLimits(self.next_batch_size(stats), stats.max_num_batched_tokens)
+
+
+# ------------------------------------------------------------------------ SLA feedback
+@dataclass(frozen=True)
+class SlaConfig:
+    """Decode-step latency target D_sla within +-eps, searched over an interval of batch sizes.
+
+    alpha: least width of the search interval; delta: how far a bound moves per correction;
+    window: decode-only steps averaged into the latency and batch-size estimates; max_step:
+    most the batch size may move per update (the production refinement against oscillation;
+    0 disables it).
+    """
+
+    target_s: float = 0.05
+    eps_s: float = 0.005
+    alpha: int = 4
+    delta: int = 4
+    window: int = 16
+    max_step: int = 8
+    bounds: Bounds = Bounds()
+
+    def __post_init__(self) -> None:
+        if self.target_s <= 0 or self.eps_s < 0 or self.eps_s >= self.target_s:
+            raise ValueError(f"need target_s > eps_s >= 0, got {self.target_s}, {self.eps_s}")
+        if self.alpha < 1 or self.delta < 1 or self.window < 1 or self.max_step < 0:
+            raise ValueError("alpha, delta and window must be >= 1, max_step >= 0")
+
+
+class SlaPolicy:
+    """Algorithm 2 (reconstructed): keep the mean decode-step latency in D_sla +- eps.
+
+    Departures from the paper's pseudo-code, and why:
+    - Latency and batch size are means over the last `window` *decode-only* steps: a step that
+      carries prefill chunks says nothing about decode latency at that batch size.
+    - The new b moves at most `max_step` from the last one, against oscillation.
+    - b never drops below the requests now decoding (the policy never evicts); it is capped by
+      bounds.upper. Before any decode-only step is seen, the initial value stands.
+    """
+
+    def __init__(self, config: SlaConfig, initial: int) -> None:
+        self.config = config
+        bounds = config.bounds
+        self.b = bounds.clamp(initial)
+        self.b_low = bounds.lower
+        self.b_high = bounds.upper
+        self._latency: deque[float] = deque(maxlen=config.window)
+        self._batch: deque[int] = deque(maxlen=config.window)
+        self._last_step_seen = -1
+
+    def observe(self, stats: SchedulerStats) -> None:
+        step = stats.num_steps_total
+        if step == self._last_step_seen:
+            return
+        self._last_step_seen = step
+        if stats.last_step_decode_only and stats.last_step_duration_s is not None:
+            self._latency.append(stats.last_step_duration_s)
+            self._batch.append(stats.last_step_num_seqs)
+
+    def next_batch_size(self, stats: SchedulerStats) -> int:
+        self.observe(stats)
+        if not self._latency:
+            return max(self.b, min(stats.num_decoding, self.config.bounds.upper))
+        c = self.config
+        lo, hi = c.bounds.lower, c.bounds.upper
+        tau = sum(self._latency) / len(self._latency)
+        b_bar = round(sum(self._batch) / len(self._batch))
+        if tau > c.target_s + c.eps_s:  # too slow: pull the interval down
+            self.b_high = max(b_bar, self.b_low + c.alpha)
+            self.b_low = max(self.b_low - c.delta, lo)
+        elif tau < c.target_s - c.eps_s:  # headroom: push it up
+            self.b_low = min(b_bar, self.b_high - c.alpha)
+            self.b_high = min(self.b_high + c.delta, hi)
+        else:  # in band: tighten around the observed batch
+            self.b_high = min(b_bar + c.alpha // 2, hi)
+            self.b_low = max(b_bar - c.alpha // 2, lo)
+        self.b_low, self.b_high = max(self.b_low, lo), min(max(self.b_high, self.b_low), hi)
+        b = (self.b_low + self.b_high) // 2
+        if c.max_step:
+            b = min(max(b, self.b - c.max_step), self.b + c.max_step)
+        self.b = min(max(b, stats.num_decoding, lo), hi)
+        return self.b
+
+    def limits(self, stats: SchedulerStats) -> SchedulerLimits:
+        return SchedulerLimits(self.next_batch_size(stats), stats.max_num_batched_tokens)
+
+
+class CombinedPolicy:
+    """min(memory-aware, SLA): fill the cache, but not past the latency target."""
+
+    def __init__(self, memory: MemoryAwarePolicy, sla: SlaPolicy) -> None:
+        self.memory, self.sla = memory, sla
+
+    def limits(self, stats: SchedulerStats) -> SchedulerLimits:
+        b = min(self.memory.next_batch_size(stats), self.sla.next_batch_size(stats))
+        return SchedulerLimits(max(b, 1), stats.max_num_batched_tokens)
+
+
+PolicyName = Literal["static", "memory_aware", "sla", "combined"]
+
+
+def make_policy(
+    name: PolicyName,
+    max_num_seqs: int,
+    memory: MemoryAwareConfig | None = None,
+    sla: SlaConfig | None = None,
+) -> BatchingPolicy:
+    """A fresh policy (they hold state: one per engine). `max_num_seqs` is the start value."""
+    if name == "static":
+        return StaticPolicy(max_num_seqs)
+    if name == "memory_aware":
+        return MemoryAwarePolicy(memory or MemoryAwareConfig(), max_num_seqs)
+    if name == "sla":
+        return SlaPolicy(sla or SlaConfig(), max_num_seqs)
+    if name == "combined":
+        return CombinedPolicy(
+            MemoryAwarePolicy(memory or MemoryAwareConfig(), max_num_seqs),
+            SlaPolicy(sla or SlaConfig(), max_num_seqs),
+        )
+    raise ValueError(f"batching policy must be static, memory_aware, sla or combined: {name!r}")

@@ -1,0 +1,241 @@
+"""The simulator: the real Scheduler and KV manager, a CostModelRunner, a VirtualClock.
+
+Nothing of the scheduler is re-implemented here: requests go through `Scheduler.add_request`
+and every step through `EngineCore.step` (policy -> schedule -> execute -> update), exactly
+as in the engine. Only the runner is priced instead of run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_policy
+from cluster.workload import SimRequest
+from engine.core.clock import VirtualClock
+from engine.core.config import SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.runner.cost_model import CostModelRunner, CostParams, GpuSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request meets its SLA when both hold."""
+
+    ttft_s: float = 2.0
+    itl_s: float = 0.1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: ModelSpec
+    gpu: GpuSpec
+    policy: PolicyName = "static"
+    max_num_seqs: int = 256  # static value, and the start value of dynamic policies
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    memory_utilization: float = 0.9
+    num_blocks: int | None = None  # overrides the memory-derived block count
+    cost: CostParams = field(default_factory=CostParams)
+    memory_aware: MemoryAwareConfig = field(default_factory=MemoryAwareConfig)
+    sla: SlaConfig = field(default_factory=SlaConfig)
+    slo: Slo = field(default_factory=Slo)
+    kv_sample_every: int = 50  # steps between KV-usage samples in the time series
+
+
+@dataclass
+class RequestRecord:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_output: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return (self.first_token_s or math.inf) - self.arrival_s
+
+    @property
+    def itl(self) -> float:
+        if self.num_output < 2 or self.first_token_s is None or self.finish_s is None:
+            return 0.0
+        return (self.finish_s - self.first_token_s) / (self.num_output - 1)
+
+    @property
+    def e2e(self) -> float:
+        return (self.finish_s or math.inf) - self.arrival_s
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    records: dict[str, RequestRecord]
+    duration_s: float
+    num_steps: int
+    num_preemptions: int
+    num_kv_blocks: int
+    batch_size_sum: int
+    kv_usage_series: list[tuple[float, float]]
+    max_num_seqs_series: list[tuple[float, int]]
+    free_blocks_at_end: int
+
+    def summary(self) -> dict[str, float]:
+        recs = list(self.records.values())
+        done = [r for r in recs if r.finish_s is not None]
+        slo = self.config.slo
+        met = [r for r in done if r.ttft <= slo.ttft_s and r.itl <= slo.itl_s]
+        out_tokens = sum(r.num_output for r in done)
+        dur = max(self.duration_s, 1e-9)
+        return {
+            "requests": len(recs),
+            "finished": len(done),
+            "duration_s": self.duration_s,
+            "output_tok_s": out_tokens / dur,
+            "requests_per_s": len(done) / dur,
+            "ttft_p50_s": pct([r.ttft for r in done], 50),
+            "ttft_p99_s": pct([r.ttft for r in done], 99),
+            "itl_p50_s": pct([r.itl for r in done], 50),
+            "itl_p99_s": pct([r.itl for r in done], 99),
+            "e2e_p50_s": pct([r.e2e for r in done], 50),
+            "e2e_p99_s": pct([r.e2e for r in done], 99),
+            "sla_attainment": len(met) / len(recs) if recs else 1.0,
+            "preemptions": self.num_preemptions,
+            "mean_batch_size": self.batch_size_sum / max(self.num_steps, 1),
+            "mean_kv_usage": (
+                sum(u for _, u in self.kv_usage_series) / len(self.kv_usage_series)
+                if self.kv_usage_series
+                else 0.0
+            ),
+            "num_kv_blocks": self.num_kv_blocks,
+            "steps": self.num_steps,
+        }
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Simulator:
+    """One engine replica under a trace; `run` is deterministic for a given trace and config."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+
+    def run(self, trace: list[SimRequest], max_sim_s: float = math.inf) -> SimResult:
+        c = self.config
+        clock = VirtualClock()
+        runner = CostModelRunner(
+            c.model,
+            c.gpu,
+            clock,
+            c.cost,
+            num_blocks=c.num_blocks,
+            block_size=c.block_size,
+            max_model_len=c.max_model_len,
+            memory_utilization=c.memory_utilization,
+        )
+        kv = KVCacheManager(runner.num_kv_blocks(), c.block_size)
+        sched_config = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len,
+        )
+        scheduler = Scheduler(sched_config, kv, clock)
+        policy = make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
+        core = EngineCore(scheduler, runner, clock, policy)
+
+        pending = deque(sorted(trace, key=lambda r: r.arrival_s))
+        records: dict[str, RequestRecord] = {}
+        kv_series: list[tuple[float, float]] = []
+        seqs_series: list[tuple[float, int]] = []
+        batch_sum = 0
+        steps = 0
+        prompt_cache: dict[int, list[int]] = {}
+        while pending or scheduler.has_unfinished_requests():
+            now = clock.now()
+            if now > max_sim_s:
+                break
+            while pending and pending[0].arrival_s <= now:
+                req = pending.popleft()
+                records[req.request_id] = RequestRecord(
+                    req.arrival_s, req.prompt_len, req.output_len
+                )
+                prompt = prompt_cache.get(req.prompt_len)
+                if prompt is None:
+                    prompt = prompt_cache[req.prompt_len] = [0] * req.prompt_len
+                params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+                scheduler.add_request(Request(req.request_id, prompt, params, (), req.arrival_s))
+            if not scheduler.has_unfinished_requests():
+                clock.advance(pending[0].arrival_s - now)
+                continue
+            result = core.step()
+            steps += 1
+            batch_sum += result.num_scheduled
+            if result.num_scheduled == 0 and scheduler.stats().num_running == 0:
+                raise RuntimeError("the scheduler made no progress with requests waiting")
+            t = clock.now()
+            for out in result.outputs:
+                rec = records[out.request_id]
+                if out.new_token_ids:
+                    if rec.first_token_s is None:
+                        rec.first_token_s = t
+                    rec.num_output += len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    rec.finish_s = t
+            if steps % c.kv_sample_every == 1:
+                stats = scheduler.stats()
+                kv_series.append((t, stats.kv_usage))
+                seqs_series.append((t, stats.max_num_seqs))
+        stats = scheduler.stats()
+        return SimResult(
+            config=c,
+            records=records,
+            duration_s=clock.now(),
+            num_steps=steps,
+            num_preemptions=stats.num_preemptions_total,
+            num_kv_blocks=runner.num_kv_blocks(),
+            batch_size_sum=batch_sum,
+            kv_usage_series=kv_series,
+            max_num_seqs_series=seqs_series,
+            free_blocks_at_end=stats.num_free_blocks,
+        )
+
+
+def capacity(
+    config: SimConfig,
+    make_trace,
+    lo: float = 0.1,
+    hi: float = 64.0,
+    target: float = 0.9,
+    iters: int = 8,
+) -> float:
+    """The highest arrival rate (requests/s) at which >= `target` of requests meet the SLO,
+    by bisection; `make_trace(rate)` builds the trace for a rate."""
+    sim = Simulator(config)
+
+    def ok(rate: float) -> bool:
+        return sim.run(make_trace(rate)).summary()["sla_attainment"] >= target
+
+    if not ok(lo):
+        return 0.0
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e4:
+            return hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,236 @@
+"""CostModelRunner: prices a step from its SchedulerOutput alone (no torch), on a virtual clock.
+
+Step time = overhead + max(compute time, memory time) + tensor-parallel communication, where
+  compute = FLOPs / (peak FLOP/s x flops_efficiency x tp)
+    FLOPs = 2 x non-embedding params x tokens + 2 x hidden x vocab x sampled rows
+            + 4 x layers x heads x head_dim x (context each token attends to)
+  memory  = bytes / (HBM bandwidth x bw_efficiency x tp)
+    bytes = weights once per step + KV read for every token's context + KV written
+  overhead = step_overhead_s + per_seq_overhead_s x requests + per_token_overhead_s x tokens
+The roofline max() is the usual first-order model of a step (compute-bound prefill,
+memory-bound decode). Efficiencies and overheads are fitted by `python -m loadtests.calibrate`
+for this CPU; the GPU defaults are stated assumptions, documented in CostParams.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.core.clock import VirtualClock
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet figures of one accelerator (dense, no sparsity)."""
+
+    name: str
+    peak_flops: float  # bf16 dense FLOP/s
+    mem_bw: float  # HBM bytes/s
+    mem_bytes: float
+    interconnect_bw: float = 0.0  # per-GPU NVLink bytes/s (for TP all-reduces)
+
+
+# Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16 dense; 1,555 GB/s for 40 GB,
+# 2,039 GB/s for 80 GB SXM; NVLink 600 GB/s), H100 SXM datasheet (989 TFLOP/s bf16 dense,
+# 3.35 TB/s, NVLink 900 GB/s), H200 SXM datasheet (989 TFLOP/s, 4.8 TB/s, 141 GB).
+GPUS: dict[str, GpuSpec] = {
+    g.name: g
+    for g in (
+        GpuSpec("A100-40GB", 312e12, 1555e9, 40e9, 600e9),
+        GpuSpec("A100-80GB", 312e12, 2039e9, 80e9, 600e9),
+        GpuSpec("H100-80GB", 989e12, 3350e9, 80e9, 900e9),
+        GpuSpec("H200", 989e12, 4800e9, 141e9, 900e9),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only model; `tp` GPUs share it by tensor parallelism."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    tp: int = 1
+    tied_embeddings: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def with_tp(self, tp: int) -> ModelSpec:
+        return replace(self, name=f"{self.name.split('@')[0]}@tp{tp}", tp=tp)
+
+    @classmethod
+    def from_hf_config(cls, model_dir: str | Path, dtype_bytes: int = 4) -> ModelSpec:
+        """The spec of a local HF checkpoint (config.json only; no weights are read)."""
+        path = Path(model_dir)
+        cfg = json.loads((path / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        return cls(
+            name=path.name,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            dtype_bytes=dtype_bytes,
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+# Shapes from each model's published config.json.
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000),
+        ModelSpec("Llama-2-13B", 40, 5120, 40, 40, 128, 13824, 32000),
+        ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+        ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
+    )
+}
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """The fitted part of the model.
+
+    GPU defaults are assumptions, not measurements: 60% of peak FLOP/s on large GEMMs and 80%
+    of HBM bandwidth on weight/KV streaming are typical of well-tuned serving kernels; 4 ms of
+    fixed per-step overhead and 15 us per request are typical of a Python scheduler (vLLM V0
+    era, which the paper used). Calibrate for real hardware (loadtests/calibrate.py).
+    """
+
+    flops_efficiency: float = 0.6
+    bw_efficiency: float = 0.8
+    step_overhead_s: float = 0.004
+    per_seq_overhead_s: float = 15e-6
+    per_token_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    flops: float
+    bytes: float
+
+
+def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: CostParams) -> StepCost:
+    tokens = out.num_batched_tokens
+    if not out.scheduled:
+        return StepCost(params.step_overhead_s, 0.0, 0.0)
+    q_dim = model.num_heads * model.head_dim
+    attn_flops_per_ctx = 4 * model.num_layers * q_dim
+    kv_tok = model.kv_bytes_per_token
+    sampled = 0
+    attended = 0.0  # sum over scheduled tokens of the context each attends to
+    kv_read = 0.0
+    for s in out.scheduled:
+        n, start = s.num_tokens, s.num_computed_tokens
+        attended += n * start + n * (n + 1) / 2
+        kv_read += (start + n) * kv_tok  # the context, read once per request per step
+        sampled += s.sample
+    flops = (
+        2.0 * model.num_layers * model.layer_params * tokens
+        + 2.0 * model.hidden_size * model.vocab_size * sampled
+        + attn_flops_per_ctx * attended
+    )
+    nbytes = model.weight_bytes + kv_read + tokens * kv_tok
+    tp = model.tp
+    compute = flops / (gpu.peak_flops * params.flops_efficiency * tp)
+    memory = nbytes / (gpu.mem_bw * params.bw_efficiency * tp)
+    comm = 0.0
+    if tp > 1 and gpu.interconnect_bw > 0:
+        # Two ring all-reduces of the activations per layer.
+        per_layer = 2 * tokens * model.hidden_size * model.dtype_bytes * 2 * (tp - 1) / tp
+        comm = model.num_layers * per_layer / gpu.interconnect_bw
+    overhead = (
+        params.step_overhead_s
+        + params.per_seq_overhead_s * len(out.scheduled)
+        + params.per_token_overhead_s * tokens
+    )
+    return StepCost(overhead + max(compute, memory) + comm, flops, nbytes)
+
+
+def kv_blocks_for(
+    model: ModelSpec, gpu: GpuSpec, block_size: int, memory_utilization: float = 0.9
+) -> int:
+    """Blocks that fit in `memory_utilization` of the GPUs' memory after the weights."""
+    free = gpu.mem_bytes * model.tp * memory_utilization - model.weight_bytes
+    if free <= 0:
+        raise ValueError(
+            f"{model.name} ({model.weight_bytes / GiB:.1f} GiB) does not fit "
+            f"in {model.tp} x {gpu.name}"
+        )
+    return max(1, math.floor(free / (block_size * model.kv_bytes_per_token)))
+
+
+class CostModelRunner:
+    """A ModelRunner that computes nothing: it advances a VirtualClock by each step's cost
+    and "samples" a fixed token (workloads set lengths with max_tokens and ignore_eos)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GpuSpec,
+        clock: VirtualClock,
+        params: CostParams | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_model_len: int = 4096,
+        memory_utilization: float = 0.9,
+        sampled_token_id: int = 1,
+    ) -> None:
+        self.model, self.gpu, self.clock = model, gpu, clock
+        self.params = params or CostParams()
+        self._num_blocks = num_blocks or kv_blocks_for(model, gpu, block_size, memory_utilization)
+        self._max_model_len = max_model_len
+        self.sampled_token_id = sampled_token_id
+        self.busy_seconds = 0.0
+
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        cost = step_cost(scheduler_output, self.model, self.gpu, self.params)
+        self.clock.advance(cost.seconds)
+        self.busy_seconds += cost.seconds
+        token = self.sampled_token_id
+        return ModelRunnerOutput(
+            {s.request_id: token for s in scheduler_output.scheduled if s.sample}
+        )

@@ -1,0 +1,257 @@
+"""Static vs dynamic batching in the simulator, on memory-constrained GPU settings.
+
+    python -m loadtests.bench_sim paper [--out reports/paper] [--json] [--quick]
+    python -m loadtests.bench_sim speed          # one simulated hour at 20 requests/s
+
+`paper` reproduces the comparison of arXiv 2503.05248 in our own setting (the paper's exact
+setup is not public: see ../shared/PAPER_NOTES.md): for each setting, throughput of static
+batching at several `max_num_seqs` and of the memory-aware, SLA-feedback and combined policies
+on a saturating trace, and capacity (the highest Poisson rate at which >= 90% of requests meet
+the SLO) for the best static value and for each dynamic policy. Writes report.md and PNG plots
+under --out; --json prints one object with `rows`, `best_throughput_gain`, `capacity_gain`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig
+from cluster.simulator import SimConfig, Simulator, Slo, capacity
+from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
+from engine.runner.cost_model import GPUS, MODELS
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    config: SimConfig
+    static_values: tuple[int, ...]
+    saturating_rate: float  # requests/s for the throughput runs (well above capacity)
+
+
+def paper_settings() -> list[Setting]:
+    bounds = Bounds(4, 512)
+    slo = Slo(ttft_s=2.0, itl_s=0.1)
+    sla = SlaConfig(target_s=0.05, eps_s=0.005, bounds=bounds)
+
+    def cfg(model, gpu, **kw) -> SimConfig:
+        return SimConfig(
+            model=model,
+            gpu=gpu,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            memory_aware=MemoryAwareConfig(eta=0.95, bounds=bounds),
+            sla=sla,
+            slo=slo,
+            **kw,
+        )
+
+    return [
+        Setting(
+            "Llama-2-13B, 1x A100-40GB",
+            cfg(MODELS["Llama-2-13B"], GPUS["A100-40GB"]),
+            (16, 32, 64, 128, 256),
+            saturating_rate=12.0,
+        ),
+        Setting(
+            "Llama-3-70B, 4x A100-80GB (TP4)",
+            cfg(MODELS["Llama-3-70B"].with_tp(4), GPUS["A100-80GB"]),
+            (32, 64, 128, 256, 512),
+            saturating_rate=20.0,
+        ),
+    ]
+
+
+def run_paper(num_requests: int, capacity_requests: int, iters: int) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    gains: dict[str, dict[str, float]] = {}
+    for setting in paper_settings():
+        trace = make_workload(
+            num_requests, setting.saturating_rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=0
+        )
+
+        def make_trace(rate: float, _n=capacity_requests):
+            return make_workload(_n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=1)
+
+        static_tp = {}
+        for b in setting.static_values:
+            c = replace(setting.config, policy="static", max_num_seqs=b)
+            s = Simulator(c).run(trace).summary()
+            static_tp[b] = s["output_tok_s"]
+            rows.append(_row(setting.name, "static", b, s))
+        best_b = max(static_tp, key=static_tp.get)
+        static_cap = capacity(
+            replace(setting.config, policy="static", max_num_seqs=best_b), make_trace, iters=iters
+        )
+        rows[-len(setting.static_values) + list(static_tp).index(best_b)]["capacity_rps"] = (
+            static_cap
+        )
+        best_dyn_tp, best_dyn_cap = 0.0, 0.0
+        for policy in ("memory_aware", "sla", "combined"):
+            c = replace(setting.config, policy=policy, max_num_seqs=max(setting.static_values))
+            s = Simulator(c).run(trace).summary()
+            cap = capacity(c, make_trace, iters=iters)
+            rows.append(_row(setting.name, policy, None, s, cap))
+            best_dyn_tp = max(best_dyn_tp, s["output_tok_s"])
+            best_dyn_cap = max(best_dyn_cap, cap)
+        gains[setting.name] = {
+            "best_static_max_num_seqs": best_b,
+            "throughput_gain": best_dyn_tp / static_tp[best_b] - 1,
+            "capacity_gain": best_dyn_cap / static_cap - 1 if static_cap else float("nan"),
+        }
+    return {
+        "rows": rows,
+        "per_setting": gains,
+        "best_throughput_gain": max(g["throughput_gain"] for g in gains.values()),
+        "capacity_gain": max(g["capacity_gain"] for g in gains.values()),
+    }
+
+
+def _row(setting: str, policy: str, b: int | None, s: dict, cap: float | None = None) -> dict:
+    return {
+        "setting": setting,
+        "policy": policy,
+        "static_max_num_seqs": b,
+        "output_tok_s": s["output_tok_s"],
+        "capacity_rps": cap,
+        "ttft_p99_s": s["ttft_p99_s"],
+        "itl_p50_s": s["itl_p50_s"],
+        "preemptions": s["preemptions"],
+        "mean_batch_size": s["mean_batch_size"],
+        "mean_kv_usage": s["mean_kv_usage"],
+    }
+
+
+def write_report(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Static vs dynamic batching (simulator)",
+        "",
+        "| setting | policy | static max_num_seqs | output tok/s | capacity req/s | TTFT p99 s "
+        "| ITL p50 ms | preemptions | mean batch | mean KV use |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        cap = f"{r['capacity_rps']:.2f}" if r["capacity_rps"] is not None else ""
+        lines.append(
+            f"| {r['setting']} | {r['policy']} | {r['static_max_num_seqs'] or ''} "
+            f"| {r['output_tok_s']:.0f} | {cap} | {r['ttft_p99_s']:.2f} "
+            f"| {1e3 * r['itl_p50_s']:.1f} | {r['preemptions']} | {r['mean_batch_size']:.1f} "
+            f"| {r['mean_kv_usage']:.2f} |"
+        )
+    lines += [
+        "",
+        "| setting | best static max_num_seqs | throughput gain | capacity gain |",
+        "|---|---|---|---|",
+    ]
+    for name, g in result["per_setting"].items():
+        lines.append(
+            f"| {name} | {g['best_static_max_num_seqs']} | "
+            f"{100 * g['throughput_gain']:+.1f}% | {100 * g['capacity_gain']:+.1f}% |"
+        )
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG plots", file=sys.stderr)
+        return
+    for name in result["per_setting"]:
+        rows = [r for r in result["rows"] if r["setting"] == name]
+        static = [r for r in rows if r["policy"] == "static"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(
+            [r["static_max_num_seqs"] for r in static],
+            [r["output_tok_s"] for r in static],
+            "o-",
+            label="static",
+        )
+        for r in rows:
+            if r["policy"] != "static":
+                ax.axhline(
+                    r["output_tok_s"],
+                    linestyle="--",
+                    label=r["policy"],
+                    color={"memory_aware": "C1", "sla": "C2", "combined": "C3"}[r["policy"]],
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("static max_num_seqs")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(name)
+        ax.legend()
+        fig.tight_layout()
+        slug = name.split(",")[0].replace(" ", "_")
+        fig.savefig(out / f"throughput_{slug}.png", dpi=100)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        caps = [
+            (
+                r["policy"] if r["policy"] != "static" else f"static {r['static_max_num_seqs']}",
+                r["capacity_rps"],
+            )
+            for r in rows
+            if r["capacity_rps"] is not None
+        ]
+        ax.bar([c[0] for c in caps], [c[1] for c in caps])
+        ax.set_ylabel("capacity (req/s, >= 90% within SLO)")
+        ax.set_title(name)
+        fig.tight_layout()
+        fig.savefig(out / f"capacity_{slug}.png", dpi=100)
+        plt.close(fig)
+
+
+def run_speed(hours: float, rate: float) -> dict[str, Any]:
+    n = int(hours * 3600 * rate)
+    config = SimConfig(model=MODELS["Llama-2-7B"], gpu=GPUS["H100-80GB"], max_num_seqs=256)
+    trace = make_workload(n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=0)
+    start = time.perf_counter()
+    res = Simulator(config).run(trace)
+    wall = time.perf_counter() - start
+    s = res.summary()
+    return {
+        "simulated_s": s["duration_s"],
+        "wall_s": wall,
+        "requests": n,
+        "steps": s["steps"],
+        "finished": s["finished"],
+        "output_tok_s": s["output_tok_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=["paper", "speed"])
+    parser.add_argument("--out", default="reports/paper")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer requests (smoke runs)")
+    parser.add_argument("--hours", type=float, default=1.0)
+    parser.add_argument("--rate", type=float, default=20.0)
+    opts = parser.parse_args(argv)
+    if opts.scenario == "speed":
+        result = run_speed(opts.hours, opts.rate)
+    else:
+        n, cap_n, iters = (60, 40, 3) if opts.quick else (1000, 400, 7)
+        result = run_paper(n, cap_n, iters)
+        write_report(result, Path(opts.out))
+    if opts.json:
+        print(json.dumps(result, indent=2))
+    elif opts.scenario == "speed":
+        print(
+            f"{result['requests']} requests, {result['simulated_s']:.0f} simulated s in "
+            f"{result['wall_s']:.1f} s wall ({result['steps']} steps)"
+        )
+    else:
+        print((Path(opts.out) / "report.md").read_text())
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

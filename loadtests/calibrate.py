@@ -1,0 +1,220 @@
+"""Fit the cost model's constants to the real torch engine on this machine.
+
+    python -m loadtests.calibrate [--model small] [--num-requests 40] [--out FILE.json]
+
+Runs the real engine on a seeded offline trace, times every step (the whole `engine.step()`,
+so scheduling and detokenization land in the fitted overheads), then fits
+    t = step_overhead_s + per_seq_overhead_s x requests + max(F / (P x fe), B / (W x be))
+with P, W this machine's measured peak GEMM FLOP/s and read bandwidth: a grid over the two
+efficiencies (fe, be) with least squares for the two overheads at each point. Then it replays
+a second seeded trace in the simulator with the fitted constants and prints predicted vs
+measured wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cluster.simulator import SimConfig, Simulator
+from cluster.workload import LengthDist, SimRequest, make_workload
+from engine.core.outputs import SchedulerOutput
+from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec, step_cost
+
+REPO = Path(__file__).resolve().parent.parent
+RAW = CostParams(
+    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0
+)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    compute_s: float  # F / P at 100% efficiency
+    memory_s: float  # B / W at 100% efficiency
+    num_seqs: int
+    seconds: float  # measured
+
+
+def measure_device(kv_bytes: int) -> GpuSpec:
+    """This CPU as a 'GPU spec': peak float32 GEMM FLOP/s and streaming read bandwidth."""
+    import torch
+
+    from loadtests.bench_engine import peak_gemm_flops
+
+    x = torch.ones(64 << 20)  # 256 MiB
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return GpuSpec("this-cpu", peak_gemm_flops(), x.numel() * 4 / best, float(kv_bytes))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class _TimingRunner:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.outputs: list[SchedulerOutput] = []
+
+    def num_kv_blocks(self) -> int:
+        return self.inner.num_kv_blocks()
+
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len()
+
+    def execute(self, out: SchedulerOutput):
+        self.outputs.append(out)
+        return self.inner.execute(out)
+
+
+def run_real(
+    engine_config, trace: list[SimRequest]
+) -> tuple[list[SchedulerOutput], list[float], int]:
+    """Step outputs, per-step wall seconds and the KV block count of a real engine run."""
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm_engine import LLMEngine
+    from engine.runner.torch_runner import TorchModelRunner
+
+    runner = _TimingRunner(TorchModelRunner(engine_config))
+    engine = LLMEngine(engine_config, runner=runner)
+    engine.add_request("warmup", [7] * 16, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    runner.outputs.clear()
+    for r in trace:
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(r.request_id, [7] * r.prompt_len, params)
+    times = []
+    while engine.has_unfinished_requests():
+        n = len(runner.outputs)
+        t = _timed(engine.step)
+        if len(runner.outputs) > n:
+            times.append(t)
+    return runner.outputs, times, runner.num_kv_blocks()
+
+
+def samples_of(outputs, times, model: ModelSpec, device: GpuSpec) -> list[StepSample]:
+    out = []
+    for o, t in zip(outputs, times, strict=True):
+        raw = step_cost(o, model, device, RAW)
+        flops_s = raw.flops / device.peak_flops
+        bytes_s = raw.bytes / device.mem_bw
+        out.append(StepSample(flops_s, bytes_s, len(o.scheduled), t))
+    return out
+
+
+def fit(samples: list[StepSample]) -> tuple[CostParams, float]:
+    """Least-squares fit; returns the params and the relative error of the summed time."""
+    best: tuple[float, CostParams] | None = None
+    grid = [i / 50 for i in range(5, 101)]  # efficiencies 0.10 .. 2.00 (CPU caches can beat W)
+    n = len(samples)
+    sum_n = sum(s.num_seqs for s in samples)
+    sum_nn = sum(s.num_seqs**2 for s in samples)
+    det = n * sum_nn - sum_n**2
+    for fe in grid:
+        for be in grid:
+            core = [max(s.compute_s / fe, s.memory_s / be) for s in samples]
+            resid = [s.seconds - c for s, c in zip(samples, core, strict=True)]
+            # Linear least squares of resid ~ o + k * num_seqs, both >= 0.
+            sr = sum(resid)
+            snr = sum(s.num_seqs * r for s, r in zip(samples, resid, strict=True))
+            k = max((n * snr - sum_n * sr) / det, 0.0) if det > 0 else 0.0
+            o = max((sr - k * sum_n) / n, 0.0)
+            err = sum((r - o - k * s.num_seqs) ** 2 for s, r in zip(samples, resid, strict=True))
+            if best is None or err < best[0]:
+                best = (err, CostParams(fe, be, o, k))
+    assert best is not None
+    params = best[1]
+    predicted = sum(
+        params.step_overhead_s
+        + params.per_seq_overhead_s * s.num_seqs
+        + max(s.compute_s / params.flops_efficiency, s.memory_s / params.bw_efficiency)
+        for s in samples
+    )
+    measured = sum(s.seconds for s in samples)
+    return params, predicted / measured - 1
+
+
+def predict_wall(
+    model: ModelSpec,
+    device: GpuSpec,
+    params: CostParams,
+    num_blocks: int,
+    block_size: int,
+    engine_config,
+    trace: list[SimRequest],
+) -> float:
+    sched = engine_config.scheduler
+    config = SimConfig(
+        model=model,
+        gpu=device,
+        cost=params,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=sched.max_model_len,
+    )
+    return Simulator(config).run(trace).duration_s
+
+
+def calibrate(model_dir: str, num_requests: int, threads: int | None, seed: int = 0) -> dict:
+    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    kv_bytes = 512 << 20
+    engine_config = EngineConfig(
+        model=model_dir,
+        num_threads=threads,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_bytes),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024),
+    )
+    model = ModelSpec.from_hf_config(model_dir, dtype_bytes=4)
+    device = measure_device(kv_bytes)
+    lengths = dict(prompt=LengthDist("uniform", 16, 400), output=LengthDist("uniform", 8, 160))
+    fit_trace = make_workload(num_requests, arrival="offline", seed=seed, **lengths)
+    check_trace = make_workload(num_requests, arrival="offline", seed=seed + 1, **lengths)
+    outputs, times, num_blocks = run_real(engine_config, fit_trace)
+    params, fit_err = fit(samples_of(outputs, times, model, device))
+    _, check_times, _ = run_real(engine_config, check_trace)
+    measured = sum(check_times)
+    predicted = predict_wall(model, device, params, num_blocks, 16, engine_config, check_trace)
+    return {
+        "model": model_dir,
+        "device": asdict(device),
+        "params": asdict(params),
+        "fit_sum_error": fit_err,
+        "check_measured_s": measured,
+        "check_predicted_s": predicted,
+        "check_error": predicted / measured - 1,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="tiny | small | a checkpoint dir")
+    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    opts = parser.parse_args(argv)
+    model_dir = opts.model
+    if opts.model in ("tiny", "small"):
+        from engine.model.tiny_model import make_model
+
+        model_dir = str(make_model(REPO / "models" / opts.model, size=opts.model))
+    result = calibrate(model_dir, opts.num_requests, opts.threads)
+    text = json.dumps(result, indent=2)
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(text + "\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
