@@ -154,11 +154,17 @@ class Simulator:
             max_model_len=c.max_model_len,
         )
         scheduler = Scheduler(sched_config, kv, clock)
-        policy = make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
+        # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
+        policy = (
+            None
+            if c.policy == "static"
+            else make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
+        )
         core = EngineCore(scheduler, runner, clock, policy)
 
         pending = deque(sorted(trace, key=lambda r: r.arrival_s))
         records: dict[str, RequestRecord] = {}
+        live: dict[str, Request] = {}
         kv_series: list[tuple[float, float]] = []
         seqs_series: list[tuple[float, int]] = []
         batch_sum = 0
@@ -177,7 +183,9 @@ class Simulator:
                 if prompt is None:
                     prompt = prompt_cache[req.prompt_len] = [0] * req.prompt_len
                 params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
-                scheduler.add_request(Request(req.request_id, prompt, params, (), req.arrival_s))
+                request = Request(req.request_id, prompt, params, (), req.arrival_s)
+                scheduler.add_request(request)
+                live[req.request_id] = request
             if not scheduler.has_unfinished_requests():
                 clock.advance(pending[0].arrival_s - now)
                 continue
@@ -188,12 +196,11 @@ class Simulator:
                 raise RuntimeError("the scheduler made no progress with requests waiting")
             t = clock.now()
             for out in result.outputs:
-                rec = records[out.request_id]
-                if out.new_token_ids:
-                    if rec.first_token_s is None:
-                        rec.first_token_s = t
-                    rec.num_output += len(out.new_token_ids)
-                if out.finish_reason is not None:
+                if out.finish_reason is not None:  # first-token time is on the Request
+                    request = live.pop(out.request_id)
+                    rec = records[out.request_id]
+                    rec.first_token_s = request.first_token_time
+                    rec.num_output = request.num_output_tokens
                     rec.finish_s = t
             if steps % c.kv_sample_every == 1:
                 stats = scheduler.stats()

@@ -49,8 +49,9 @@ class KVCacheManager:
         free blocks, in which case nothing changes.
         """
         rid = request.request_id
-        held = len(self._blocks.get(rid, ()))
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - held
+        held = len(self._block_ids.get(rid, ()))
+        # cdiv inlined: this runs for every request on every step.
+        need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - held
         if need <= 0:
             return []
         new_blocks = self.pool.take(need)

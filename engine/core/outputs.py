@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.core.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step."""
 
@@ -43,7 +43,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one step produced for one request, before detokenization."""
 
@@ -108,7 +108,7 @@ class SchedulerStats:
     num_steps_total: int
     # Ended requests by finish reason ("stop", "length", "abort", "error").
     num_finished_total: dict[str, int] = field(default_factory=dict)
-    num_decoding: int = 0  # running requests past their prefill
+    num_decoding: int = 0  # requests that decoded (one token, past prefill) in the last step
     # The last step, for latency-driven policies: its batch, whether it was decode-only (no
     # prefill chunk), and its duration as the engine's clock measured it.
     last_step_num_seqs: int = 0

@@ -56,6 +56,10 @@ class Request:
         self.arrival_time = arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Kept as plain attributes (not properties over the list): the scheduler reads them
+        # for every request on every step.
+        self.num_tokens = self.num_prompt_tokens
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
@@ -67,19 +71,13 @@ class Request:
         self.stop_token_ids = frozenset(stop_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
+        self.num_output_tokens += 1
 
     def __repr__(self) -> str:
         return (

@@ -45,6 +45,7 @@ class Scheduler:
         self.num_steps_total = 0
         self.num_finished_total: Counter[str] = Counter()  # by finish reason
         self._last_step_num_seqs = 0
+        self._last_step_num_decodes = 0
         self._last_step_decode_only = False
         self._last_step_duration_s: float | None = None
 
@@ -106,13 +107,24 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
+        num_decodes = 0
+        kv = self.kv_cache
+        allocate = kv.allocate_slots
+        schedule_one = self._schedule_one
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, n, preempted):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if n > budget:
+                n = budget
+            if allocate(request, n) is None and not self._allocate_or_preempt(
+                request, n, preempted
+            ):
                 break  # the request itself was preempted; so was every one after it
-            scheduled.append(self._schedule_one(request, n))
+            scheduled.append(schedule_one(request, n))
+            if n == 1 and request.num_output_tokens:
+                num_decodes += 1
             budget -= n
             i += 1
 
@@ -136,9 +148,8 @@ class Scheduler:
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         self.num_steps_total += 1
         self._last_step_num_seqs = len(scheduled)
-        self._last_step_decode_only = bool(scheduled) and all(
-            s.num_tokens == 1 and s.num_output_tokens > 0 for s in scheduled
-        )
+        self._last_step_num_decodes = num_decodes
+        self._last_step_decode_only = bool(scheduled) and num_decodes == len(scheduled)
         self._last_step_duration_s = None
         return SchedulerOutput(
             scheduled=scheduled,
@@ -154,17 +165,34 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_ended = False
         now = self.clock.now()
+        requests = self.requests
+        sampled = runner_output.sampled_token_ids
+        running = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
         for sched in scheduler_output.scheduled:
-            request = self.requests.get(sched.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(sched.request_id)
+            if request is None or request.status is not running:
                 continue  # ended while the step ran
-            request.num_computed_tokens += sched.num_tokens
+            request.num_computed_tokens += len(sched.token_ids)
             if not sched.sample:
                 continue
-            token = runner_output.sampled_token_ids[sched.request_id]
-            request.append_output_token(token)
+            token = sampled[sched.request_id]
+            # request.append_output_token(token), inlined for the hot path.
+            request.all_token_ids.append(token)
+            request.num_tokens += 1
+            request.num_output_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
+            params = request.sampling_params
+            n_out = request.num_output_tokens
+            # The common case, inlined: not a stop token and below both length limits.
+            if (
+                token not in request.stop_token_ids
+                and n_out < params.max_tokens
+                and request.num_tokens < max_model_len
+            ):
+                outputs.append(EngineCoreOutput(request.request_id, [token], None))
+                continue
             status = self._stop_status(request, token)
             if status is not None:
                 self._end(request, status)
@@ -204,11 +232,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             num_steps_total=self.num_steps_total,
             num_finished_total=dict(self.num_finished_total),
-            num_decoding=sum(
-                1
-                for r in self.running
-                if r.num_output_tokens and r.num_computed_tokens >= r.num_tokens - 1
-            ),
+            num_decoding=self._last_step_num_decodes,
             last_step_num_seqs=self._last_step_num_seqs,
             last_step_decode_only=self._last_step_decode_only,
             last_step_duration_s=self._last_step_duration_s,
@@ -263,14 +287,14 @@ class Scheduler:
         if sample and request.num_output_tokens < params.min_tokens:
             banned = tuple(sorted(request.stop_token_ids))
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + n],
-            num_computed_tokens=start,
-            block_ids=self.kv_cache.block_ids(request.request_id),
-            sample=sample,
-            sampling_params=params,
-            num_output_tokens=request.num_output_tokens,
-            banned_token_ids=banned,
+            request.request_id,
+            request.all_token_ids[start : start + n],
+            start,
+            self.kv_cache._block_ids.get(request.request_id) or [],  # block_ids(), inlined
+            sample,
+            params,
+            request.num_output_tokens,
+            banned,
         )
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

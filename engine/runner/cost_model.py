@@ -158,7 +158,7 @@ def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: Cost
     attended = 0.0  # sum over scheduled tokens of the context each attends to
     kv_read = 0.0
     for s in out.scheduled:
-        n, start = s.num_tokens, s.num_computed_tokens
+        n, start = len(s.token_ids), s.num_computed_tokens
         attended += n * start + n * (n + 1) / 2
         kv_read += (start + n) * kv_tok  # the context, read once per request per step
         sampled += s.sample
