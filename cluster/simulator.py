@@ -224,24 +224,28 @@ class Simulator:
 def capacity(
     config: SimConfig,
     make_trace,
-    lo: float = 0.1,
-    hi: float = 64.0,
+    start: float = 0.5,
     target: float = 0.9,
-    iters: int = 8,
+    iters: int = 6,
 ) -> float:
-    """The highest arrival rate (requests/s) at which >= `target` of requests meet the SLO,
-    by bisection; `make_trace(rate)` builds the trace for a rate."""
+    """The highest arrival rate (requests/s) at which >= `target` of requests meet the SLO:
+    doubling from `start` to bracket it in [r, 2r], then `iters` bisections (resolution
+    r / 2**iters). `make_trace(rate)` builds the trace for a rate."""
     sim = Simulator(config)
 
     def ok(rate: float) -> bool:
         return sim.run(make_trace(rate)).summary()["sla_attainment"] >= target
 
-    if not ok(lo):
-        return 0.0
+    lo = start
+    while not ok(lo):
+        lo /= 2
+        if lo < 1e-3:
+            return 0.0
+    hi = lo * 2
     while ok(hi):
         lo, hi = hi, hi * 2
-        if hi > 1e4:
-            return hi
+        if hi > 1e5:
+            return lo
     for _ in range(iters):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)

@@ -38,7 +38,8 @@ class Setting:
 def paper_settings() -> list[Setting]:
     bounds = Bounds(4, 512)
     slo = Slo(ttft_s=2.0, itl_s=0.1)
-    sla = SlaConfig(target_s=0.05, eps_s=0.005, bounds=bounds)
+    # The SLA policy aims its decode-step latency a little under the ITL objective.
+    sla = SlaConfig(target_s=0.08, eps_s=0.01, bounds=bounds)
 
     def cfg(model, gpu, **kw) -> SimConfig:
         return SimConfig(
@@ -68,7 +69,7 @@ def paper_settings() -> list[Setting]:
     ]
 
 
-def run_paper(num_requests: int, capacity_requests: int, iters: int) -> dict[str, Any]:
+def run_paper(num_requests: int, capacity_seconds: float, iters: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     gains: dict[str, dict[str, float]] = {}
     for setting in paper_settings():
@@ -76,22 +77,21 @@ def run_paper(num_requests: int, capacity_requests: int, iters: int) -> dict[str
             num_requests, setting.saturating_rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=0
         )
 
-        def make_trace(rate: float, _n=capacity_requests):
-            return make_workload(_n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=1)
+        def make_trace(rate: float, _s=capacity_seconds):
+            # A fixed span of arrivals (not a fixed count), so every rate reaches steady state.
+            n = max(100, int(rate * _s))
+            return make_workload(n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=1)
 
-        static_tp = {}
+        static_tp, static_caps = {}, {}
         for b in setting.static_values:
             c = replace(setting.config, policy="static", max_num_seqs=b)
             s = Simulator(c).run(trace).summary()
             static_tp[b] = s["output_tok_s"]
-            rows.append(_row(setting.name, "static", b, s))
+            static_caps[b] = capacity(c, make_trace, iters=iters)
+            rows.append(_row(setting.name, "static", b, s, static_caps[b]))
         best_b = max(static_tp, key=static_tp.get)
-        static_cap = capacity(
-            replace(setting.config, policy="static", max_num_seqs=best_b), make_trace, iters=iters
-        )
-        rows[-len(setting.static_values) + list(static_tp).index(best_b)]["capacity_rps"] = (
-            static_cap
-        )
+        best_cap_b = max(static_caps, key=static_caps.get)
+        static_cap = static_caps[best_cap_b]
         best_dyn_tp, best_dyn_cap = 0.0, 0.0
         for policy in ("memory_aware", "sla", "combined"):
             c = replace(setting.config, policy=policy, max_num_seqs=max(setting.static_values))
@@ -102,6 +102,7 @@ def run_paper(num_requests: int, capacity_requests: int, iters: int) -> dict[str
             best_dyn_cap = max(best_dyn_cap, cap)
         gains[setting.name] = {
             "best_static_max_num_seqs": best_b,
+            "best_static_capacity_max_num_seqs": best_cap_b,
             "throughput_gain": best_dyn_tp / static_tp[best_b] - 1,
             "capacity_gain": best_dyn_cap / static_cap - 1 if static_cap else float("nan"),
         }
@@ -147,13 +148,14 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         )
     lines += [
         "",
-        "| setting | best static max_num_seqs | throughput gain | capacity gain |",
-        "|---|---|---|---|",
+        "| setting | best static (throughput) | throughput gain | best static (capacity) "
+        "| capacity gain |",
+        "|---|---|---|---|---|",
     ]
     for name, g in result["per_setting"].items():
         lines.append(
-            f"| {name} | {g['best_static_max_num_seqs']} | "
-            f"{100 * g['throughput_gain']:+.1f}% | {100 * g['capacity_gain']:+.1f}% |"
+            f"| {name} | {g['best_static_max_num_seqs']} | {100 * g['throughput_gain']:+.1f}% "
+            f"| {g['best_static_capacity_max_num_seqs']} | {100 * g['capacity_gain']:+.1f}% |"
         )
     (out / "report.md").write_text("\n".join(lines) + "\n")
     try:
@@ -238,8 +240,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.scenario == "speed":
         result = run_speed(opts.hours, opts.rate)
     else:
-        n, cap_n, iters = (60, 40, 3) if opts.quick else (1000, 400, 7)
-        result = run_paper(n, cap_n, iters)
+        n, cap_s, iters = (60, 10.0, 3) if opts.quick else (1000, 120.0, 6)
+        result = run_paper(n, cap_s, iters)
         write_report(result, Path(opts.out))
     if opts.json:
         print(json.dumps(result, indent=2))
