@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.model.tiny_model import make_model
 from loadtests.workload import WorkItem, load_workload
 from serve_app.config import AppArgs
+from serve_app.local_cluster import stop_local_serve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -160,36 +160,14 @@ async def run_http(base_v1: str, model: str, items: list[WorkItem], concurrency:
 
 def start_serve(args: AppArgs) -> str:
     """A local Ray instance and the app; returns the /v1 base URL."""
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    import ray
     from ray import serve
 
     from serve_app import build_app
+    from serve_app.local_cluster import start_local_serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=256 << 20,
-        configure_logging=False,
-    )
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": port},
-        logging_config={"enable_access_log": False, "log_level": "WARNING"},
-    )
+    port = start_local_serve(log_level="WARNING")
     serve.run(build_app(args), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}/v1"
-
-
-def stop_serve() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 # --------------------------------------------------------------------------------- main
@@ -266,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         rounds = asyncio.run(_rounds(opts, args, base_v1, items))
     finally:
-        stop_serve()
+        stop_local_serve()
     inproc = _median_summary([r[0] for r in rounds])
     http = _median_summary([r[1] for r in rounds])
 

@@ -7,8 +7,6 @@ overload and disconnect tests where one replica's stats must tell the whole stor
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,12 +16,6 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, tiny_model_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deploy_yaml_args() -> dict[str, Any]:
@@ -86,27 +78,15 @@ class ServeCluster:
 
 @pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
-    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray reads this exact name)
-    import ray
     from ray import serve
     from ray.serve.api import RunTarget
 
     from serve_app import build_app
+    from serve_app.local_cluster import start_local_serve, stop_local_serve
 
     model = tiny_model_dir("llama")
-    port = _free_port()
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=256 << 20,
-        configure_logging=False,
-    )
     try:
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": port},
-            logging_config={"enable_access_log": False},
-        )
+        port = start_local_serve()
         args = app_args(model)
         narrow = build_app(app_args(model, **NARROW))
         serve.run_many(  # both apps start together
@@ -118,8 +98,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
         _wait_ready(f"http://127.0.0.1:{port}")
         yield ServeCluster(f"http://127.0.0.1:{port}", model, args)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
 
 
 def _wait_ready(base_url: str, timeout: float = 120.0) -> None:
