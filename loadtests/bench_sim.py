@@ -210,6 +210,89 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         plt.close(fig)
 
 
+def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...]) -> dict:
+    """The same comparison on the real engine (this CPU, offline mixed-200 prefix, small KV)."""
+    from cluster.batching import make_policy
+    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm_engine import LLMEngine
+    from engine.model.tiny_model import make_model
+    from loadtests.workload import load_workload
+
+    repo = Path(__file__).resolve().parent.parent
+    model_dir = (
+        str(make_model(repo / "models" / model, size=model))
+        if model in ("tiny", "small")
+        else model
+    )
+    upper = max(statics)
+    bounds = Bounds(1, upper)
+    runs = [("static", b) for b in statics] + [
+        (p, None) for p in ("memory_aware", "sla", "combined")
+    ]
+    rows = []
+    engine = None
+    for policy_name, b in runs:
+        start_b = b or upper
+        config = EngineConfig(
+            model=model_dir,
+            num_threads=2,
+            cache=CacheConfig(block_size=16, kv_cache_bytes=kv_mb << 20),
+            scheduler=SchedulerConfig(
+                max_num_seqs=start_b, max_num_batched_tokens=1024, max_model_len=1024
+            ),
+        )
+        # SLA target: 1.5x the decode step this CPU takes at a quarter of the batch cap.
+        policy = make_policy(
+            policy_name,
+            start_b,
+            MemoryAwareConfig(0.95, bounds),
+            SlaConfig(target_s=0.3, eps_s=0.03, bounds=bounds),
+        )
+        engine = LLMEngine(config, policy=policy)
+        vocab = engine.runner_vocab_size()
+        items = load_workload("mixed-200", vocab, 0, num_requests)
+        for it in items:
+            engine.add_request(
+                it.request_id,
+                it.prompt_token_ids,
+                SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True),
+            )
+        produced, steps, batch = 0, 0, 0
+        started = time.perf_counter()
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            produced += sum(len(o.new_token_ids) for o in outs)
+            steps += 1
+            batch += engine.stats().last_step_num_seqs
+        wall = time.perf_counter() - started
+        stats = engine.stats()
+        rows.append(
+            {
+                "policy": policy_name,
+                "static_max_num_seqs": b,
+                "output_tok_s": produced / wall,
+                "preemptions": stats.num_preemptions_total,
+                "mean_batch_size": batch / max(steps, 1),
+                "kv_blocks": stats.num_total_blocks,
+            }
+        )
+        print(
+            f"{policy_name:13} {b or '':>4} {produced / wall:8.1f} tok/s "
+            f"preemptions {stats.num_preemptions_total}",
+            file=sys.stderr,
+        )
+    best_static = max(r["output_tok_s"] for r in rows if r["policy"] == "static")
+    best_dynamic = max(r["output_tok_s"] for r in rows if r["policy"] != "static")
+    return {
+        "model": model,
+        "num_requests": num_requests,
+        "kv_mb": kv_mb,
+        "rows": rows,
+        "best_throughput_gain": best_dynamic / best_static - 1,
+    }
+
+
 def run_speed(hours: float, rate: float) -> dict[str, Any]:
     n = int(hours * 3600 * rate)
     config = SimConfig(model=MODELS["Llama-2-7B"], gpu=GPUS["H100-80GB"], max_num_seqs=256)
@@ -230,7 +313,10 @@ def run_speed(hours: float, rate: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["paper", "speed"])
+    parser.add_argument("scenario", choices=["paper", "speed", "cpu"])
+    parser.add_argument("--model", default="small", help="cpu: tiny | small | a checkpoint dir")
+    parser.add_argument("--num-requests", type=int, default=48, help="cpu: mixed-200 prefix")
+    parser.add_argument("--kv-mb", type=int, default=48, help="cpu: KV cache budget")
     parser.add_argument("--out", default="reports/paper")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke runs)")
@@ -239,12 +325,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts = parser.parse_args(argv)
     if opts.scenario == "speed":
         result = run_speed(opts.hours, opts.rate)
+    elif opts.scenario == "cpu":
+        result = run_cpu(opts.model, opts.num_requests, opts.kv_mb, (8, 16, 32, 64))
     else:
         n, cap_s, iters = (60, 10.0, 3) if opts.quick else (1000, 120.0, 6)
         result = run_paper(n, cap_s, iters)
         write_report(result, Path(opts.out))
     if opts.json:
         print(json.dumps(result, indent=2))
+    elif opts.scenario == "cpu":
+        print(f"best dynamic over best static: {100 * result['best_throughput_gain']:+.1f}%")
     elif opts.scenario == "speed":
         print(
             f"{result['requests']} requests, {result['simulated_s']:.0f} simulated s in "
