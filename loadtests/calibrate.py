@@ -74,12 +74,14 @@ class _TimingRunner:
 
 
 def run_real(
-    engine_config, trace: list[SimRequest], repeats: int = 3
-) -> tuple[list[SchedulerOutput], list[float], int]:
-    """Step outputs, per-step wall seconds and the KV block count of a real engine run.
+    engine_config, traces: list[list[SimRequest]], repeats: int = 3
+) -> tuple[list[tuple[list[SchedulerOutput], list[float]]], int]:
+    """For each trace, its step outputs and per-step wall seconds on a real engine, and the KV
+    block count.
 
-    The trace runs `repeats` times on one warm engine; an offline trace makes the same steps
-    every time, so each step's time is the fastest of its repeats (this machine is noisy)."""
+    Each trace runs `repeats` times on one warm engine, the traces taking turns so that a slow
+    spell of this noisy machine hits all of them alike. An offline trace makes the same steps
+    every time, so each step's time is the fastest of its repeats."""
     from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
     from engine.runner.torch_runner import TorchModelRunner
@@ -89,25 +91,27 @@ def run_real(
     engine.add_request("warmup", [7] * 16, SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    best: list[float] = []
-    first: list[SchedulerOutput] = []
+    results: list[tuple[list[SchedulerOutput], list[float]] | None] = [None] * len(traces)
     for rep in range(repeats):
-        runner.outputs.clear()
-        for r in trace:
-            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-            engine.add_request(f"{r.request_id}#{rep}", [7] * r.prompt_len, params)
-        times = []
-        while engine.has_unfinished_requests():
-            n = len(runner.outputs)
-            t = _timed(engine.step)
-            if len(runner.outputs) > n:
-                times.append(t)
-        if rep == 0:
-            first, best = list(runner.outputs), times
-        else:
-            assert len(times) == len(best), "an offline trace must repeat the same steps"
-            best = [min(a, b) for a, b in zip(best, times, strict=True)]
-    return first, best, runner.num_kv_blocks()
+        for k, trace in enumerate(traces):
+            runner.outputs.clear()
+            for r in trace:
+                params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+                engine.add_request(f"{r.request_id}#{k}#{rep}", [7] * r.prompt_len, params)
+            times = []
+            while engine.has_unfinished_requests():
+                n = len(runner.outputs)
+                t = _timed(engine.step)
+                if len(runner.outputs) > n:
+                    times.append(t)
+            previous = results[k]
+            if previous is None:
+                results[k] = (list(runner.outputs), times)
+            else:
+                assert len(times) == len(previous[1]), "an offline trace repeats its steps"
+                best = [min(a, b) for a, b in zip(previous[1], times, strict=True)]
+                results[k] = (previous[0], best)
+    return [r for r in results if r is not None], runner.num_kv_blocks()
 
 
 def samples_of(outputs, times, model: ModelSpec, device: GpuSpec) -> list[StepSample]:
@@ -192,9 +196,9 @@ def calibrate(model_dir: str, num_requests: int, threads: int | None, seed: int 
     lengths = dict(prompt=LengthDist("uniform", 16, 400), output=LengthDist("uniform", 8, 160))
     fit_trace = make_workload(num_requests, arrival="offline", seed=seed, **lengths)
     check_trace = make_workload(num_requests, arrival="offline", seed=seed + 1, **lengths)
-    outputs, times, num_blocks = run_real(engine_config, fit_trace)
+    runs, num_blocks = run_real(engine_config, [fit_trace, check_trace])
+    (outputs, times), (_, check_times) = runs
     params, fit_err = fit(samples_of(outputs, times, model, device))
-    _, check_times, _ = run_real(engine_config, check_trace)
     measured = sum(check_times)
     predicted = predict_wall(model, device, params, num_blocks, 16, engine_config, check_trace)
     return {
