@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_policy
+from cluster.metrics import percentile
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
 from engine.core.config import SchedulerConfig
@@ -99,12 +100,12 @@ class SimResult:
             "duration_s": self.duration_s,
             "output_tok_s": out_tokens / dur,
             "requests_per_s": len(done) / dur,
-            "ttft_p50_s": pct([r.ttft for r in done], 50),
-            "ttft_p99_s": pct([r.ttft for r in done], 99),
-            "itl_p50_s": pct([r.itl for r in done], 50),
-            "itl_p99_s": pct([r.itl for r in done], 99),
-            "e2e_p50_s": pct([r.e2e for r in done], 50),
-            "e2e_p99_s": pct([r.e2e for r in done], 99),
+            "ttft_p50_s": percentile([r.ttft for r in done], 50),
+            "ttft_p99_s": percentile([r.ttft for r in done], 99),
+            "itl_p50_s": percentile([r.itl for r in done], 50),
+            "itl_p99_s": percentile([r.itl for r in done], 99),
+            "e2e_p50_s": percentile([r.e2e for r in done], 50),
+            "e2e_p99_s": percentile([r.e2e for r in done], 99),
             "sla_attainment": len(met) / len(recs) if recs else 1.0,
             "preemptions": self.num_preemptions,
             "mean_batch_size": self.batch_size_sum / max(self.num_steps, 1),
@@ -116,16 +117,6 @@ class SimResult:
             "num_kv_blocks": self.num_kv_blocks,
             "steps": self.num_steps,
         }
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class Simulator:

@@ -12,7 +12,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -20,10 +19,7 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import DecoderSpec, read_spec
-from engine.model.tiny_model import make_model
-from loadtests.workload import WorkItem, load_workload
-
-REPO = Path(__file__).resolve().parent.parent
+from loadtests.workload import WorkItem, load_workload, resolve_model
 
 
 def peak_gemm_flops(n: int = 2048, reps: int = 10) -> float:
@@ -144,9 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model_dir = args.model
-    if args.model in ("tiny", "small"):
-        model_dir = str(make_model(REPO / "models" / args.model, size=args.model))
+    model_dir = resolve_model(args.model)
     spec = read_spec(model_dir)
     items = load_workload(args.workload, spec.vocab_size, seed=0, limit=args.num_requests)
     peak_before = peak_gemm_flops()

@@ -19,16 +19,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
+from cluster.metrics import percentile
 from engine.core.sampling_params import SamplingParams
-from engine.model.tiny_model import make_model
-from loadtests.workload import WorkItem, load_workload
+from loadtests.workload import WorkItem, load_workload, resolve_model
 from serve_app.config import AppArgs
 from serve_app.local_cluster import stop_local_serve
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -69,15 +66,6 @@ class RunResult:
             "itl_p99_ms": 1e3 * percentile(itl, 99),
             "engine_busy_frac": self.engine_step_s / self.wall_s,
         }
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = (len(sorted_values) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 async def closed_loop(items: list[WorkItem], concurrency: int, one) -> RunResult:
@@ -215,9 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
 
-    model_dir = opts.model
-    if opts.model in ("tiny", "small"):
-        model_dir = str(make_model(REPO / "models" / opts.model, size=opts.model))
+    model_dir = resolve_model(opts.model)
     args = AppArgs.model_validate(
         {
             "model": model_dir,

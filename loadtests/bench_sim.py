@@ -216,15 +216,9 @@ def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...])
     from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.model.tiny_model import make_model
-    from loadtests.workload import load_workload
+    from loadtests.workload import load_workload, resolve_model
 
-    repo = Path(__file__).resolve().parent.parent
-    model_dir = (
-        str(make_model(repo / "models" / model, size=model))
-        if model in ("tiny", "small")
-        else model
-    )
+    model_dir = resolve_model(model)
     upper = max(statics)
     bounds = Bounds(1, upper)
     runs = [("static", b) for b in statics] + [

@@ -24,8 +24,9 @@ from cluster.simulator import SimConfig, Simulator
 from cluster.workload import LengthDist, SimRequest, make_workload
 from engine.core.outputs import SchedulerOutput
 from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec, step_cost
+from engine.runner.recording import RecordingRunner
+from loadtests.workload import resolve_model
 
-REPO = Path(__file__).resolve().parent.parent
 RAW = CostParams(
     flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0
 )
@@ -57,22 +58,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-class _TimingRunner:
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.outputs: list[SchedulerOutput] = []
-
-    def num_kv_blocks(self) -> int:
-        return self.inner.num_kv_blocks()
-
-    def max_model_len(self) -> int:
-        return self.inner.max_model_len()
-
-    def execute(self, out: SchedulerOutput):
-        self.outputs.append(out)
-        return self.inner.execute(out)
-
-
 def run_real(
     engine_config, traces: list[list[SimRequest]], repeats: int = 3
 ) -> tuple[list[tuple[list[SchedulerOutput], list[float]]], int]:
@@ -86,7 +71,7 @@ def run_real(
     from engine.llm_engine import LLMEngine
     from engine.runner.torch_runner import TorchModelRunner
 
-    runner = _TimingRunner(TorchModelRunner(engine_config))
+    runner = RecordingRunner(TorchModelRunner(engine_config))
     engine = LLMEngine(engine_config, runner=runner)
     engine.add_request("warmup", [7] * 16, SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -219,12 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     opts = parser.parse_args(argv)
-    model_dir = opts.model
-    if opts.model in ("tiny", "small"):
-        from engine.model.tiny_model import make_model
-
-        model_dir = str(make_model(REPO / "models" / opts.model, size=opts.model))
-    result = calibrate(model_dir, opts.num_requests, opts.threads)
+    result = calibrate(resolve_model(opts.model), opts.num_requests, opts.threads)
     text = json.dumps(result, indent=2)
     if opts.out:
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,3 +36,13 @@ def load_workload(
         prompt = [rng.randrange(vocab_size) for _ in range(req["prompt_len"])]
         items.append(WorkItem(str(req["id"]), prompt, req["max_tokens"]))
     return items
+
+
+def resolve_model(name: str) -> str:
+    """`tiny` or `small`: the offline checkpoint under models/ (built on first use); anything
+    else: a checkpoint directory, as given."""
+    if name not in ("tiny", "small"):
+        return name
+    from engine.model.tiny_model import make_model
+
+    return str(make_model(REPO / "models" / name, size=name))

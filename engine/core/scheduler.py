@@ -290,7 +290,7 @@ class Scheduler:
             request.request_id,
             request.all_token_ids[start : start + n],
             start,
-            self.kv_cache._block_ids.get(request.request_id) or [],  # block_ids(), inlined
+            self.kv_cache.block_ids(request.request_id),
             sample,
             params,
             request.num_output_tokens,

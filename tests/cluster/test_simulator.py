@@ -14,6 +14,7 @@ from engine.core.outputs import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.runner.cost_model import GPUS, MODELS, CostModelRunner, ModelSpec, step_cost
+from engine.runner.recording import RecordingRunner
 
 
 def small_config(**kw) -> SimConfig:
@@ -79,26 +80,6 @@ def test_capacity_bisection_is_monotone_in_slo():
     assert loose >= tight > 0
 
 
-class RecordingRunner:
-    """Wraps a runner and writes down each step's decisions."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.decisions: list[list[tuple[str, int, int]]] = []
-
-    def num_kv_blocks(self) -> int:
-        return self.inner.num_kv_blocks()
-
-    def max_model_len(self) -> int:
-        return self.inner.max_model_len()
-
-    def execute(self, out: SchedulerOutput):
-        self.decisions.append(
-            [(s.request_id, s.num_computed_tokens, s.num_tokens) for s in out.scheduled]
-        )
-        return self.inner.execute(out)
-
-
 def test_offline_trace_same_decisions_under_cost_model_and_torch(tiny_model):
     """Every request present at t=0 with ignore_eos: scheduling depends only on lengths, so the
     cost model and the real torch runner must see the same sequence of steps."""
@@ -126,7 +107,11 @@ def test_offline_trace_same_decisions_under_cost_model_and_torch(tiny_model):
             engine.add_request(it.request_id, [5] * it.prompt_len, params)
         while engine.has_unfinished_requests():
             engine.step()
-        return recorder.decisions, engine.stats().num_preemptions_total
+        decisions = [
+            [(s.request_id, s.num_computed_tokens, s.num_tokens) for s in out.scheduled]
+            for out in recorder.outputs
+        ]
+        return decisions, engine.stats().num_preemptions_total
 
     torch_runner = TorchModelRunner(config)
     spec = ModelSpec.from_hf_config(tiny_model)

@@ -1,0 +1,24 @@
+"""A ModelRunner wrapper that keeps every SchedulerOutput it executes (calibration, tests)."""
+
+from __future__ import annotations
+
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class RecordingRunner:
+    """Delegates to `inner`; `outputs` holds the executed steps in order. NOTE: a step's
+    `block_ids` lists are live; read ids, positions and token counts, not block tables."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.outputs: list[SchedulerOutput] = []
+
+    def num_kv_blocks(self) -> int:
+        return self.inner.num_kv_blocks()
+
+    def max_model_len(self) -> int:
+        return self.inner.max_model_len()
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.outputs.append(out)
+        return self.inner.execute(out)
