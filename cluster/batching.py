@@ -1,7 +1,9 @@
 """Batch-size policies: pure functions of scheduler stats -> SchedulerLimits (no torch, no ray).
 
-The engine calls `policy.limits(stats)` before every step; the simulator and the controller
-call the same code. Policies only move `max_num_seqs`; the token budget stays as configured.
+The engine calls `policy.limits(stats)` before every step (the simulator too); the cluster
+controller calls `policy.limits_from_window(stats, window)` once per replica report, where a
+DecodeWindow of the period stands in for the per-step samples. Both share the arithmetic.
+Policies only move `max_num_seqs`; the token budget stays as configured.
 
 - StaticPolicy:      a fixed max_num_seqs (the baseline).
 - MemoryAwarePolicy: Algorithm 1 of arXiv 2503.05248 (as the authors' public patch shows it).
@@ -18,7 +20,6 @@ from typing import Literal
 
 from engine.core.config import SchedulerLimits
 from engine.core.outputs import SchedulerStats
-from engine.core.policy import BatchingPolicy
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,38 @@ class Bounds:
         return min(max(b, self.lower), self.upper)
 
 
+@dataclass(frozen=True)
+class DecodeWindow:
+    """Decode-only steps of one replica over a period: how many, mean latency, mean batch."""
+
+    num_steps: int
+    mean_step_s: float
+    mean_batch: float
+
+    @classmethod
+    def between(cls, before: SchedulerStats | None, after: SchedulerStats) -> DecodeWindow | None:
+        """The decode-only steps between two stats snapshots (None: there were none)."""
+        n = after.decode_steps_total - (before.decode_steps_total if before else 0)
+        if n <= 0:
+            return None
+        seconds = after.decode_step_seconds_total - (
+            before.decode_step_seconds_total if before else 0.0
+        )
+        seqs = after.decode_step_seqs_total - (before.decode_step_seqs_total if before else 0)
+        return cls(n, seconds / n, seqs / n)
+
+
 class StaticPolicy:
     def __init__(self, max_num_seqs: int) -> None:
         self.max_num_seqs = max_num_seqs
 
     def limits(self, stats: SchedulerStats) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, stats.max_num_batched_tokens)
+
+    def limits_from_window(
+        self, stats: SchedulerStats, window: DecodeWindow | None
+    ) -> SchedulerLimits:
+        return self.limits(stats)
 
 
 # ----------------------------------------------------------------------- memory-aware
@@ -76,6 +103,11 @@ class MemoryAwarePolicy:
 
     def limits(self, stats: SchedulerStats) -> SchedulerLimits:
         return SchedulerLimits(self.next_batch_size(stats), stats.max_num_batched_tokens)
+
+    def limits_from_window(
+        self, stats: SchedulerStats, window: DecodeWindow | None
+    ) -> SchedulerLimits:
+        return self.limits(stats)  # reads only the snapshot
 
 
 # ------------------------------------------------------------------------ SLA feedback
@@ -138,10 +170,22 @@ class SlaPolicy:
         self.observe(stats)
         if not self._latency:
             return max(self.b, min(stats.num_decoding, self.config.bounds.upper))
+        tau = sum(self._latency) / len(self._latency)
+        b_bar = sum(self._batch) / len(self._batch)
+        return self.decide(tau, b_bar, stats.num_decoding)
+
+    def batch_size_from_window(self, stats: SchedulerStats, window: DecodeWindow | None) -> int:
+        """The periodic form (the controller): the window replaces the per-step samples."""
+        if window is None:
+            return max(self.b, min(stats.num_decoding, self.config.bounds.upper))
+        return self.decide(window.mean_step_s, window.mean_batch, stats.num_decoding)
+
+    def decide(self, tau: float, mean_batch: float, num_decoding: int) -> int:
+        """One correction of the search interval from mean decode-step latency `tau` at mean
+        batch `mean_batch`; returns the new batch size."""
         c = self.config
         lo, hi = c.bounds.lower, c.bounds.upper
-        tau = sum(self._latency) / len(self._latency)
-        b_bar = round(sum(self._batch) / len(self._batch))
+        b_bar = round(mean_batch)
         if tau > c.target_s + c.eps_s:  # too slow: pull the interval down
             self.b_high = max(b_bar, self.b_low + c.alpha)
             self.b_low = max(self.b_low - c.delta, lo)
@@ -155,11 +199,21 @@ class SlaPolicy:
         b = (self.b_low + self.b_high) // 2
         if c.max_step:
             b = min(max(b, self.b - c.max_step), self.b + c.max_step)
-        self.b = min(max(b, stats.num_decoding, lo), hi)
+        self.b = min(max(b, num_decoding, lo), hi)
         return self.b
+
+    def over_target(self, window: DecodeWindow | None) -> bool:
+        c = self.config
+        return window is not None and window.mean_step_s > c.target_s + c.eps_s
 
     def limits(self, stats: SchedulerStats) -> SchedulerLimits:
         return SchedulerLimits(self.next_batch_size(stats), stats.max_num_batched_tokens)
+
+    def limits_from_window(
+        self, stats: SchedulerStats, window: DecodeWindow | None
+    ) -> SchedulerLimits:
+        b = self.batch_size_from_window(stats, window)
+        return SchedulerLimits(b, stats.max_num_batched_tokens)
 
 
 class CombinedPolicy:
@@ -172,8 +226,24 @@ class CombinedPolicy:
         b = min(self.memory.next_batch_size(stats), self.sla.next_batch_size(stats))
         return SchedulerLimits(max(b, 1), stats.max_num_batched_tokens)
 
+    def limits_from_window(
+        self, stats: SchedulerStats, window: DecodeWindow | None
+    ) -> SchedulerLimits:
+        b = min(self.memory.next_batch_size(stats), self.sla.batch_size_from_window(stats, window))
+        return SchedulerLimits(max(b, 1), stats.max_num_batched_tokens)
+
 
 PolicyName = Literal["static", "memory_aware", "sla", "combined"]
+AnyPolicy = StaticPolicy | MemoryAwarePolicy | SlaPolicy | CombinedPolicy
+
+
+def sla_part(policy: AnyPolicy) -> SlaPolicy | None:
+    """The SLA-feedback part of a policy, if it has one (the controller's throttle rule)."""
+    if isinstance(policy, SlaPolicy):
+        return policy
+    if isinstance(policy, CombinedPolicy):
+        return policy.sla
+    return None
 
 
 def make_policy(
@@ -181,7 +251,7 @@ def make_policy(
     max_num_seqs: int,
     memory: MemoryAwareConfig | None = None,
     sla: SlaConfig | None = None,
-) -> BatchingPolicy:
+) -> AnyPolicy:
     """A fresh policy (they hold state: one per engine). `max_num_seqs` is the start value."""
     if name == "static":
         return StaticPolicy(max_num_seqs)

@@ -7,7 +7,8 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from serve_app.config import AppArgs
+from cluster.controller import ClusterController
+from serve_app.config import AppArgs, AutoscalingArgs
 from serve_app.engine_server import EngineServer
 from serve_app.ingress import OpenAIIngress
 
@@ -22,20 +23,64 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     """The OpenAI ingress bound to its engine replicas, built from validated AppArgs."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     plain = app_args.model_dump()
+    controller = None
+    if app_args.controller.enabled:
+        controller = ClusterController.options(ray_actor_options={"num_cpus": 0}).bind(
+            app_args.batching.factory(app_args.engine.max_num_seqs),
+            app_args.controller.stale_after_s,
+        )
     engine_res = app_args.engine_replicas
+    actor_options: dict[str, Any] = {
+        "num_cpus": engine_res.num_cpus,
+        "num_gpus": engine_res.num_gpus,
+    }
+    scaling: dict[str, Any] = {"num_replicas": engine_res.num_replicas}
+    if app_args.autoscaling is not None:
+        scaling = {
+            "num_replicas": "auto",
+            "autoscaling_config": _autoscaling_config(app_args.autoscaling),
+        }
+        # The replica reads its metrics push period from the environment at import.
+        actor_options["runtime_env"] = {
+            "env_vars": {
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(
+                    app_args.autoscaling.metrics_interval_s
+                )
+            }
+        }
     engine = EngineServer.options(
-        num_replicas=engine_res.num_replicas,
+        **scaling,
         max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
-        ray_actor_options={"num_cpus": engine_res.num_cpus, "num_gpus": engine_res.num_gpus},
+        ray_actor_options=actor_options,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_app.router:LoadAwareRouter",
             request_router_kwargs=app_args.routing.model_dump(),
             request_routing_stats_period_s=1.0,
         ),
-    ).bind(plain)
+    ).bind(plain, controller)
     ingress_res = app_args.ingress_replicas
     return OpenAIIngress.options(
         num_replicas=ingress_res.num_replicas,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": ingress_res.num_cpus, "num_gpus": ingress_res.num_gpus},
-    ).bind(engine, plain)
+    ).bind(engine, plain, controller)
+
+
+def _autoscaling_config(scaling: AutoscalingArgs) -> dict[str, Any]:
+    """Serve's autoscaling_config: our rule decides; Serve's own delays and factors are
+    neutral so the rule behaves as in the simulator."""
+    return {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "initial_replicas": scaling.initial_replicas or scaling.min_replicas,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        # Deprecated in Serve 2.58 but still read: it keeps look_back_period_s's check honest
+        # (the replicas push at this period through the environment variable above).
+        "metrics_interval_s": scaling.metrics_interval_s,
+        "look_back_period_s": scaling.look_back_period_s,
+        "policy": {
+            "policy_function": "cluster.autoscale:QueueDepthAutoscaler",
+            "policy_kwargs": scaling.rule_config(),
+        },
+    }

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -90,6 +90,12 @@ class BatchingArgs(_Strict):
     sla_max_step: int = Field(8, ge=0, description="sla: most change per update (0: no limit).")
 
     def make(self, max_num_seqs: int):
+        return self.factory(max_num_seqs)()
+
+    def factory(self, max_num_seqs: int):
+        """A picklable no-argument callable that makes a fresh policy (one per replica)."""
+        from functools import partial
+
         from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig, make_policy
 
         bounds = Bounds(self.batch_size_lower, self.batch_size_upper)
@@ -102,7 +108,71 @@ class BatchingArgs(_Strict):
             max_step=self.sla_max_step,
             bounds=bounds,
         )
-        return make_policy(self.policy, max_num_seqs, MemoryAwareConfig(self.eta, bounds), sla)
+        memory = MemoryAwareConfig(self.eta, bounds)
+        return partial(make_policy, self.policy, max_num_seqs, memory, sla)
+
+
+class ControllerArgs(_Strict):
+    """The cluster controller (cluster/controller.py): one per app, runs the batching policy
+    of every engine replica from their periodic reports."""
+
+    enabled: bool = Field(
+        True,
+        description="false: no controller; each engine replica runs its batching policy itself "
+        "before every step, and GET /v1/cluster answers 503.",
+    )
+    report_interval_s: float = Field(
+        0.5, gt=0.0, description="How often each engine replica reports and gets its limits."
+    )
+    report_timeout_s: float = Field(
+        2.0, gt=0.0, description="A report not answered in this long fails; last limits stay."
+    )
+    stale_after_s: float = Field(
+        5.0, gt=0.0, description="A replica silent this long drops out of the cluster view."
+    )
+
+
+class AutoscalingArgs(_Strict):
+    """Engine replica count from queue depth (cluster/autoscale.py), through Ray Serve's
+    autoscaler. The rule keeps its own delays; Serve's are set to 0."""
+
+    min_replicas: int = Field(1, ge=1, description="Fewest engine replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most engine replicas.")
+    initial_replicas: int | None = Field(None, ge=1, description="At start. Null: min_replicas.")
+    target_waiting: float = Field(
+        4.0, gt=0.0, description="Scale up when the mean waiting requests per replica exceed this."
+    )
+    upscale_kv_usage: float = Field(
+        0.9, gt=0.0, le=1.0, description="...or when the mean KV cache usage exceeds this."
+    )
+    downscale_waiting: float = Field(
+        0.5, ge=0.0, description="Scale down only when mean waiting per replica is at most this."
+    )
+    downscale_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="...and the running requests fit in one replica fewer at this share of "
+        "their max_num_seqs.",
+    )
+    upscale_delay_s: float = Field(
+        10.0, ge=0.0, description="How long the up condition must hold without a break."
+    )
+    downscale_delay_s: float = Field(
+        60.0, ge=0.0, description="How long the down condition must hold without a break."
+    )
+    metrics_interval_s: float = Field(
+        1.0, gt=0.0, description="How often each replica pushes its queue metrics to Serve."
+    )
+    look_back_period_s: float = Field(
+        2.0, gt=0.0, description="Serve averages each replica's metrics over this window."
+    )
+
+    def rule_config(self) -> dict[str, Any]:
+        """The keyword arguments of cluster.autoscale.AutoscaleConfig (Serve's policy_kwargs)."""
+        return self.model_dump(
+            exclude={"initial_replicas", "metrics_interval_s", "look_back_period_s"}
+        )
 
 
 class RoutingArgs(_Strict):
@@ -160,12 +230,42 @@ class AppArgs(_Strict):
     )
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")
     engine_replicas: ReplicaArgs = Field(
-        default_factory=ReplicaArgs, description="Engine replicas (the GPU actors)."
+        default_factory=ReplicaArgs,
+        description="Engine replicas (the GPU actors). With autoscaling, num_replicas is unused.",
+    )
+    controller: ControllerArgs = Field(
+        default_factory=ControllerArgs, description="The cluster controller."
+    )
+    autoscaling: AutoscalingArgs | None = Field(
+        None, description="Scale engine replicas on queue depth. Null: engine_replicas is fixed."
     )
     ingress_replicas: ReplicaArgs = Field(
         default_factory=lambda: ReplicaArgs(num_cpus=0.5),
         description="OpenAI ingress replicas (tokenize, route, stream).",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> AppArgs:
+        try:
+            self.batching.factory(self.engine.max_num_seqs)
+        except ValueError as exc:
+            raise ValueError(f"batching: {exc}") from None
+        scaling = self.autoscaling
+        if scaling is not None:
+            from cluster.autoscale import AutoscaleConfig
+
+            try:
+                AutoscaleConfig(**scaling.rule_config())
+            except ValueError as exc:
+                raise ValueError(f"autoscaling: {exc}") from None
+            if scaling.look_back_period_s <= scaling.metrics_interval_s:
+                raise ValueError(
+                    "autoscaling.look_back_period_s must be greater than metrics_interval_s"
+                )
+            initial = scaling.initial_replicas
+            if initial is not None and not scaling.min_replicas <= initial <= scaling.max_replicas:
+                raise ValueError("autoscaling.initial_replicas must be within min and max")
+        return self
 
     @property
     def model_name(self) -> str:

@@ -7,6 +7,7 @@ EngineRejection out.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,8 +15,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
-from engine.core.outputs import RequestOutput
+from cluster import autoscale
+from cluster.batching import DecodeWindow
+from cluster.control import ControlDecision, LatencySummary, ReplicaStats
+from cluster.metrics import percentile
+from engine.core.config import SchedulerLimits
+from engine.core.outputs import RequestOutput, SchedulerStats
+from engine.core.policy import ExternalLimits
 from engine.core.sampling_params import SamplingParams
 from serve_app.config import AppArgs
 from serve_app.openai_protocol import field_of_message
@@ -32,20 +40,67 @@ class EngineRejection:
     param: str | None = None
 
 
+# Latency samples kept between two reports; beyond it the oldest go (controller unreachable).
+_MAX_SAMPLES = 4096
+
+
+class _PeriodLatencies:
+    """TTFT and inter-chunk gaps of this replica's requests since the last report."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+    def add(self, samples: list[float], value: float) -> None:
+        if len(samples) >= _MAX_SAMPLES:
+            del samples[: _MAX_SAMPLES // 2]
+        samples.append(value)
+
+    def take(self) -> tuple[LatencySummary, LatencySummary]:
+        out = tuple(
+            LatencySummary(percentile(x, 50), percentile(x, 99), len(x)) if x else LatencySummary()
+            for x in (self.ttft, self.itl)
+        )
+        self.ttft, self.itl = [], []
+        return out  # type: ignore[return-value]
+
+
 @serve.deployment(name="EngineServer")
 class EngineServer:
-    def __init__(self, args: dict[str, Any] | AppArgs) -> None:
+    def __init__(
+        self, args: dict[str, Any] | AppArgs, controller: DeploymentHandle | None = None
+    ) -> None:
         from engine.async_engine import AsyncLLMEngine
         from engine.llm_engine import LLMEngine
 
         self.args = AppArgs.model_validate(args)
         self.capacity = self.args.replica_capacity
-        policy = self.args.batching.make(self.args.engine.max_num_seqs)
-        config = self.args.engine.engine_config(self.args.model)
+        engine_args = self.args.engine
+        self.controller = controller
+        if controller is not None:  # the controller runs the batching policy
+            self.external = ExternalLimits(
+                SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
+            )
+            policy = self.external
+        else:  # the engine runs it itself, before every step
+            policy = self.args.batching.make(engine_args.max_num_seqs)
+        config = engine_args.engine_config(self.args.model)
         self.engine = AsyncLLMEngine(LLMEngine(config, policy=policy))
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else "local"
         self.num_rejected_total = 0
+        self.latencies = _PeriodLatencies()
+        self.decision = ControlDecision(
+            SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
+        )
+        self.num_reports_ok = 0
+        self.num_report_failures = 0
+        self._last_reported: SchedulerStats | None = None
+        self._report_task = (
+            asyncio.get_running_loop().create_task(self._report_loop())
+            if controller is not None
+            else None
+        )
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -58,6 +113,7 @@ class EngineServer:
                 "max_queued_requests); retry later",
             )
             return
+        started = time.monotonic()
         try:
             stream = self.engine.generate(prompt_token_ids, params, request_id)
             first = await anext(stream)
@@ -66,23 +122,22 @@ class EngineServer:
             return
         except StopAsyncIteration:
             return
+        last_sent = time.monotonic()
+        self.latencies.add(self.latencies.ttft, last_sent - started)
         yield first
         interval = self.args.stream_interval_s
-        if interval <= 0.0:
-            async for out in stream:
-                yield out
-            return
         held: RequestOutput | None = None
-        last_sent = time.monotonic()
         async for out in stream:
             held = out if held is None else held.merge(out)
             now = time.monotonic()
             if out.finished or now - last_sent >= interval:
+                if held.new_token_ids:
+                    self.latencies.add(self.latencies.itl, now - last_sent)
                 yield held
                 held, last_sent = None, now
 
     async def stats(self) -> dict[str, Any]:
-        """This replica's scheduler stats plus stream bookkeeping (tests, /metrics, controller)."""
+        """This replica's scheduler stats plus stream bookkeeping (tests, /metrics)."""
         stats = asdict(self.engine.engine.stats())
         stats.update(
             replica_id=self.replica_id,
@@ -90,8 +145,50 @@ class EngineServer:
             capacity=self.capacity,
             num_rejected_total=self.num_rejected_total,
             step_seconds_total=self.engine.step_seconds_total,
+            controlled=self.controller is not None,
+            decision=asdict(self.decision),
+            num_reports_ok=self.num_reports_ok,
+            num_report_failures=self.num_report_failures,
         )
         return stats
+
+    # --------------------------------------------------------------- the controller loop
+    def replica_stats(self) -> ReplicaStats:
+        """This period's report; the decode window and latencies cover the time since the
+        last report that was built."""
+        sched = self.engine.engine.stats()
+        ttft, itl = self.latencies.take()
+        window = DecodeWindow.between(self._last_reported, sched)
+        self._last_reported = sched
+        return ReplicaStats(
+            replica_id=self.replica_id,
+            scheduler=sched,
+            num_streams=self.engine.num_streams,
+            capacity=self.capacity,
+            num_rejected_total=self.num_rejected_total,
+            decode=window,
+            ttft=ttft,
+            itl=itl,
+        )
+
+    async def _report_loop(self) -> None:
+        """Report, apply the answer; on any failure keep the last limits and try next period."""
+        control = self.args.controller
+        assert self.controller is not None
+        while True:
+            await asyncio.sleep(control.report_interval_s)
+            try:
+                call = self.controller.report.remote(self.replica_stats())
+                decision = await asyncio.wait_for(call, control.report_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # controller dead, restarting or slow: keep serving
+                self.num_report_failures += 1
+                logger.warning("controller report failed (keeping last limits): %r", exc)
+                continue
+            self.decision = decision
+            self.external.set(decision.limits)
+            self.num_reports_ok += 1
 
     async def model_info(self) -> dict[str, Any]:
         return {
@@ -101,11 +198,27 @@ class EngineServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Read by the ingress's request router (serve_app.router.LoadAwareRouter)."""
-        return {"num_streams": self.engine.num_streams, "capacity": self.capacity}
+        return {
+            "num_streams": self.engine.num_streams,
+            "capacity": self.capacity,
+            "routing_weight": self.decision.routing_weight,
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to Serve's autoscaler; read by cluster.autoscale.QueueDepthAutoscaler."""
+        sched = self.engine.engine.stats()
+        return {
+            autoscale.METRIC_WAITING: float(max(self.engine.num_streams - sched.num_running, 0)),
+            autoscale.METRIC_RUNNING: float(sched.num_running),
+            autoscale.METRIC_KV_USAGE: float(sched.kv_usage),
+            autoscale.METRIC_MAX_NUM_SEQS: float(sched.max_num_seqs),
+        }
 
     async def check_health(self) -> None:
         if self.engine.loop_error is not None:
             raise RuntimeError(f"engine loop died: {self.engine.loop_error!r}")
 
     async def __del__(self) -> None:
+        if self._report_task is not None:
+            self._report_task.cancel()
         await self.engine.shutdown()

@@ -88,7 +88,12 @@ class _Prepared:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, args: dict[str, Any] | AppArgs) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        args: dict[str, Any] | AppArgs,
+        controller: DeploymentHandle | None = None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.args = AppArgs.model_validate(args)
@@ -99,6 +104,7 @@ class OpenAIIngress:
         self.engine = engine.options(stream=True)
         self.metrics = IngressMetrics(self.model_name)
         self.created = oai.now()
+        self.controller = controller
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -124,6 +130,27 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    @app.get("/v1/cluster")
+    async def cluster(self) -> Response:
+        """The controller's view: per replica stats, limits and decisions (cluster.status)."""
+        if self.controller is None:
+            return OpenAIError(
+                503,
+                "the cluster controller is disabled (controller.enabled)",
+                err_type="server_error",
+            ).response()
+        try:
+            view = await asyncio.wait_for(
+                self.controller.status.remote(), self.args.controller.report_timeout_s
+            )
+        except Exception as exc:  # restarting: the view comes back with the next reports
+            return OpenAIError(
+                503,
+                f"cluster controller unavailable: {type(exc).__name__}",
+                err_type="server_error",
+            ).response()
+        return JSONResponse(view)
 
     @app.post("/v1/completions")
     async def completions(self, body: oai.CompletionRequest) -> Response:

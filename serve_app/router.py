@@ -2,10 +2,11 @@
 
 Load is a replica's outstanding requests (queued + running): Serve's queue-length cache,
 which the router updates on every send and every probe, falling back to the replica's own
-`record_routing_stats()`. Prefix affinity uses rendezvous hashing of the first
-`prefix_tokens` prompt tokens over replica ids, so every ingress replica sends the same prefix
-to the same engine replica without sharing state, and a replica joining or leaving moves only
-its own share of prefixes.
+`record_routing_stats()`; divided by the routing weight the cluster controller gives the
+replica (below 1 when its latency is over the deployment's SLA target). Prefix affinity uses
+rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids, so every
+ingress replica sends the same prefix to the same engine replica without sharing state, and a
+replica joining or leaving moves only its own share of prefixes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
     )
 
 
+def weighted_load(outstanding: int, weight: float) -> float:
+    # +1: a throttled replica with nothing outstanding still ranks behind an idle full one.
+    return (outstanding + 1) / max(weight, 1e-3)
+
+
 class LoadAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self, prefix_affinity: bool = True, prefix_tokens: int = 64, max_imbalance: int = 8
@@ -36,11 +42,13 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.prefix_tokens = prefix_tokens
         self.max_imbalance = max_imbalance
 
-    def replica_load(self, replica: RunningReplica) -> int:
+    def replica_load(self, replica: RunningReplica) -> float:
+        """Outstanding requests over the controller's routing weight (1, or less for a
+        replica throttled by the cluster SLA rule, which so gets a smaller share)."""
+        stats = replica.routing_stats or {}
         cached = self.replica_queue_len_cache.get(replica.replica_id)
-        if cached is not None:
-            return cached
-        return int((replica.routing_stats or {}).get("num_streams", 0))
+        outstanding = cached if cached is not None else int(stats.get("num_streams", 0))
+        return weighted_load(outstanding, stats.get("routing_weight", 1.0))
 
     async def choose_replicas(
         self,

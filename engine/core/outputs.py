@@ -114,3 +114,7 @@ class SchedulerStats:
     last_step_num_seqs: int = 0
     last_step_decode_only: bool = False
     last_step_duration_s: float | None = None
+    # Running totals over decode-only steps (see Scheduler.record_step_duration).
+    decode_steps_total: int = 0
+    decode_step_seconds_total: float = 0.0
+    decode_step_seqs_total: int = 0

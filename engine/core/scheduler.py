@@ -47,6 +47,11 @@ class Scheduler:
         self._last_step_num_seqs = 0
         self._last_step_num_decodes = 0
         self._last_step_decode_only = False
+        # Decode-only steps as running totals: a reader that keeps the previous totals gets
+        # the mean decode-step latency and batch over any period (the controller's window).
+        self.decode_steps_total = 0
+        self.decode_step_seconds_total = 0.0
+        self.decode_step_seqs_total = 0
         self._last_step_duration_s: float | None = None
 
     # ----------------------------------------------------------------- requests in and out
@@ -218,6 +223,10 @@ class Scheduler:
     def record_step_duration(self, seconds: float) -> None:
         """The engine's measure of the step just executed (policies read it from stats)."""
         self._last_step_duration_s = seconds
+        if self._last_step_decode_only:
+            self.decode_steps_total += 1
+            self.decode_step_seconds_total += seconds
+            self.decode_step_seqs_total += self._last_step_num_seqs
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -236,6 +245,9 @@ class Scheduler:
             last_step_num_seqs=self._last_step_num_seqs,
             last_step_decode_only=self._last_step_decode_only,
             last_step_duration_s=self._last_step_duration_s,
+            decode_steps_total=self.decode_steps_total,
+            decode_step_seconds_total=self.decode_step_seconds_total,
+            decode_step_seqs_total=self.decode_step_seqs_total,
         )
 
     def check_integrity(self) -> None:

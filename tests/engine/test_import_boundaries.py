@@ -27,6 +27,7 @@ def test_engine_core_imports_neither_torch_nor_ray():
 def test_simulator_and_policies_import_neither_torch_nor_ray():
     imports = (
         "import cluster.batching, cluster.workload, cluster.simulator\n"
+        "import cluster.control, cluster.autoscale, cluster.status\n"
         "import engine.runner.cost_model\n"
     )
     assert heavy_modules_after(imports) == ""

@@ -26,7 +26,8 @@ def deploy_yaml_args() -> dict[str, Any]:
 def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in patch.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and key in out else value
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if nested else value
     return out
 
 
@@ -37,6 +38,7 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
         "engine": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64, "max_model_len": 512},
         "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5},
         "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},
+        "autoscaling": None,  # a fixed count; tests/serve/test_controller.py scales its own app
     }
     return _merge(_merge(deploy_yaml_args(), test_sizes), overrides)
 

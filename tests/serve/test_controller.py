@@ -1,0 +1,252 @@
+"""The cluster controller and queue-depth autoscaling, for real: local Ray, Serve, HTTP.
+
+App `scaling` (route /scaling): engine replicas that hold 2 requests in a batch until the
+controller's SLA policy raises the limit (a latency target far above what the tiny model
+takes), and autoscaling between 1 and 2 replicas with short delays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.serve.conftest import ServeCluster, app_args
+
+pytestmark = pytest.mark.timeout(400)
+
+SCALING = {
+    "engine": {"kv_cache_bytes": 8 << 20, "max_num_seqs": 2, "max_model_len": 512},
+    "max_queued_requests": 256,
+    "batching": {
+        "policy": "sla",
+        "sla_target_ms": 1000,  # the tiny model is far under it: the limit may only grow
+        "sla_eps_ms": 10,
+        "batch_size_lower": 1,
+        "batch_size_upper": 4,
+        "sla_alpha": 1,
+        "sla_delta": 2,
+        "sla_max_step": 2,
+    },
+    "controller": {"report_interval_s": 0.25, "stale_after_s": 3.0},
+    "autoscaling": {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_waiting": 2,
+        "downscale_waiting": 0.5,
+        "downscale_utilization": 1.0,
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 3.0,
+        "metrics_interval_s": 0.25,
+        "look_back_period_s": 1.0,
+    },
+    "engine_replicas": {"num_cpus": 0.5},
+}
+
+
+@pytest.fixture(scope="module")
+def scaling_app(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    from serve_app import build_app
+
+    serve.run(
+        build_app(app_args(serve_cluster.model, **SCALING)),
+        name="scaling",
+        route_prefix="/scaling",
+    )
+    try:
+        yield f"{serve_cluster.base_url}/scaling"
+    finally:
+        serve.delete("scaling")
+
+
+def cluster_view(base: str) -> dict:
+    r = httpx.get(f"{base}/v1/cluster", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def engine_replica_states(app: str) -> dict[str, int]:
+    from ray import serve
+
+    return dict(serve.status().applications[app].deployments["EngineServer"].replica_states)
+
+
+def running_engines(app: str) -> int:
+    return engine_replica_states(app).get("RUNNING", 0)
+
+
+def wait_for(predicate, timeout: float, what: str, period: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+async def _complete(client: httpx.AsyncClient, base: str, i: int, max_tokens: int) -> int:
+    r = await client.post(
+        f"{base}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": f"request {i} says",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=300,
+    )
+    return r.status_code
+
+
+class Load:
+    """Requests from a background thread: `burst` at once, or a steady trickle until stopped."""
+
+    def __init__(self, base: str, burst: int = 0, trickle: bool = False, max_tokens: int = 64):
+        self.base, self.burst, self.trickle, self.max_tokens = base, burst, trickle, max_tokens
+        self.codes: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=300)
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient() as client:
+            tasks = [
+                asyncio.create_task(_complete(client, self.base, i, self.max_tokens))
+                for i in range(self.burst)
+            ]
+            i = self.burst
+            while self.trickle and not self.stop.is_set():
+                self.codes.append(await _complete(client, self.base, i, 8))
+                i += 1
+                await asyncio.sleep(0.1)
+            self.codes.extend(await asyncio.gather(*tasks))
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
+def test_controller_hears_every_replica_and_engines_apply_its_limits(serve_cluster, scaling_app):
+    # The `llm` app: two engine replicas, both in the controller's view.
+    view = wait_for(
+        lambda: (v := cluster_view(serve_cluster.base_url))["num_replicas"] == 2 and v,
+        30,
+        "both llm replicas reporting",
+    )
+    assert all(r["age_s"] < 3 for r in view["replicas"])
+    assert {r["limits"]["max_num_seqs"] for r in view["replicas"]} == {64}  # static
+
+    # The `scaling` app: configured max_num_seqs 2; the SLA policy (in the controller) raises
+    # it once it sees decode steps far under target, and the engine then runs more than 2.
+    with Load(scaling_app, burst=4, max_tokens=32):
+        raised = wait_for(
+            lambda: any(
+                r["limits"]["max_num_seqs"] > 2 for r in cluster_view(scaling_app)["replicas"]
+            ),
+            60,
+            "the controller raising max_num_seqs above 2",
+        )
+    assert raised
+    peak = {"running": 0}
+    with Load(scaling_app, burst=8, max_tokens=64) as load:
+        from ray import serve
+
+        handle = serve.get_deployment_handle("EngineServer", app_name="scaling")
+        while not load.done:
+            stats = handle.stats.remote().result()
+            peak["running"] = max(peak["running"], stats["num_running"])
+            assert stats["controlled"] and stats["num_reports_ok"] > 0
+            time.sleep(0.05)
+    assert load.codes == [200] * 8
+    assert peak["running"] > 2, "the engine never ran more than its configured 2"
+
+
+def test_burst_scales_up_then_back_down_without_failures(scaling_app):
+    wait_for(
+        lambda: (
+            running_engines("scaling") == 1 and engine_replica_states("scaling") == {"RUNNING": 1}
+        ),
+        60,
+        "one replica",
+    )
+    with Load(scaling_app, trickle=True) as trickle:
+        with Load(scaling_app, burst=64, max_tokens=160) as burst:
+            t0 = time.monotonic()
+            wait_for(lambda: running_engines("scaling") >= 2, 60, "a second engine replica")
+            scaled_up_after = time.monotonic() - t0
+            # Both replicas report to the controller.
+            wait_for(lambda: cluster_view(scaling_app)["num_replicas"] == 2, 20, "2 in the view")
+            wait_for(lambda: burst.done, 300, "the burst to finish", period=0.5)
+        t1 = time.monotonic()
+        wait_for(lambda: engine_replica_states("scaling") == {"RUNNING": 1}, 90, "scale down to 1")
+        scaled_down_after = time.monotonic() - t1
+        # The removed replica drops out of the controller's view.
+        wait_for(lambda: cluster_view(scaling_app)["num_replicas"] == 1, 20, "1 in the view")
+    assert burst.codes == [200] * 64
+    assert trickle.codes and set(trickle.codes) == {200}
+    print(f"scaled up {scaled_up_after:.1f} s into the burst, down {scaled_down_after:.1f} s after")
+
+
+def _controller_name(app: str) -> str | None:
+    """The Ray actor name of the app's live controller replica (None while there is none)."""
+    import ray
+
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#ClusterController#")
+    ]
+    assert len(names) <= 1, names
+    return names[0] if names else None
+
+
+def test_killing_the_controller_fails_no_request_and_control_resumes(serve_cluster):
+    import ray
+    from ray import serve
+
+    base = serve_cluster.base_url
+    name = _controller_name("llm")
+    assert name is not None
+    handle = serve.get_deployment_handle("EngineServer", app_name="llm")
+    with Load(base, trickle=True) as trickle, Load(base, burst=16, max_tokens=256) as burst:
+        time.sleep(0.5)
+        assert not burst.done
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        killed_at = time.monotonic()
+        # Serve starts a new controller replica; it rebuilds its view from the next reports.
+        wait_for(
+            lambda: _controller_name("llm") not in (None, name), 60, "a new controller", period=0.5
+        )
+        view = wait_for(
+            lambda: (v := _view_or_none(base)) and v["num_replicas"] == 2 and v,
+            60,
+            "the new controller to hear both replicas",
+        )
+        assert view["controller_uptime_s"] <= time.monotonic() - killed_at
+        wait_for(lambda: burst.done, 300, "the burst to finish", period=0.5)
+    assert burst.codes == [200] * 16
+    assert trickle.codes and set(trickle.codes) == {200}
+    reports = handle.stats.remote().result()["num_reports_ok"]
+    wait_for(
+        lambda: handle.stats.remote().result()["num_reports_ok"] > reports, 10, "reports resuming"
+    )
+
+
+def _view_or_none(base: str) -> dict | None:
+    r = httpx.get(f"{base}/v1/cluster", timeout=10)
+    return r.json() if r.status_code == 200 else None
