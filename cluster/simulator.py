@@ -74,6 +74,31 @@ class RequestRecord:
         return (self.finish_s or math.inf) - self.arrival_s
 
 
+def summarize_records(
+    records: dict[str, RequestRecord], slo: Slo, duration_s: float
+) -> dict[str, float]:
+    """Throughput, latency percentiles and SLA attainment of a run's requests."""
+    recs = list(records.values())
+    done = [r for r in recs if r.finish_s is not None]
+    met = [r for r in done if r.ttft <= slo.ttft_s and r.itl <= slo.itl_s]
+    out_tokens = sum(r.num_output for r in done)
+    dur = max(duration_s, 1e-9)
+    return {
+        "requests": len(recs),
+        "finished": len(done),
+        "duration_s": duration_s,
+        "output_tok_s": out_tokens / dur,
+        "requests_per_s": len(done) / dur,
+        "ttft_p50_s": percentile([r.ttft for r in done], 50),
+        "ttft_p99_s": percentile([r.ttft for r in done], 99),
+        "itl_p50_s": percentile([r.itl for r in done], 50),
+        "itl_p99_s": percentile([r.itl for r in done], 99),
+        "e2e_p50_s": percentile([r.e2e for r in done], 50),
+        "e2e_p99_s": percentile([r.e2e for r in done], 99),
+        "sla_attainment": len(met) / len(recs) if recs else 1.0,
+    }
+
+
 @dataclass
 class SimResult:
     config: SimConfig
@@ -88,25 +113,7 @@ class SimResult:
     free_blocks_at_end: int
 
     def summary(self) -> dict[str, float]:
-        recs = list(self.records.values())
-        done = [r for r in recs if r.finish_s is not None]
-        slo = self.config.slo
-        met = [r for r in done if r.ttft <= slo.ttft_s and r.itl <= slo.itl_s]
-        out_tokens = sum(r.num_output for r in done)
-        dur = max(self.duration_s, 1e-9)
-        return {
-            "requests": len(recs),
-            "finished": len(done),
-            "duration_s": self.duration_s,
-            "output_tok_s": out_tokens / dur,
-            "requests_per_s": len(done) / dur,
-            "ttft_p50_s": percentile([r.ttft for r in done], 50),
-            "ttft_p99_s": percentile([r.ttft for r in done], 99),
-            "itl_p50_s": percentile([r.itl for r in done], 50),
-            "itl_p99_s": percentile([r.itl for r in done], 99),
-            "e2e_p50_s": percentile([r.e2e for r in done], 50),
-            "e2e_p99_s": percentile([r.e2e for r in done], 99),
-            "sla_attainment": len(met) / len(recs) if recs else 1.0,
+        return summarize_records(self.records, self.config.slo, self.duration_s) | {
             "preemptions": self.num_preemptions,
             "mean_batch_size": self.batch_size_sum / max(self.num_steps, 1),
             "mean_kv_usage": (
@@ -119,6 +126,88 @@ class SimResult:
         }
 
 
+class SimReplica:
+    """One engine replica on its own virtual clock: the real Scheduler and EngineCore, with
+    a CostModelRunner pricing each step. The single-replica Simulator drives one; the
+    cluster simulator drives many on a shared timeline."""
+
+    def __init__(self, config: SimConfig, records: dict[str, RequestRecord], start_s: float = 0.0):
+        c = self.config = config
+        self.clock = VirtualClock(start_s)
+        self.runner = CostModelRunner(
+            c.model,
+            c.gpu,
+            self.clock,
+            c.cost,
+            num_blocks=c.num_blocks,
+            block_size=c.block_size,
+            max_model_len=c.max_model_len,
+            memory_utilization=c.memory_utilization,
+        )
+        kv = KVCacheManager(self.runner.num_kv_blocks(), c.block_size)
+        sched_config = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len,
+        )
+        self.scheduler = Scheduler(sched_config, kv, self.clock)
+        # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
+        policy = (
+            None
+            if c.policy == "static"
+            else make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
+        )
+        self.core = EngineCore(self.scheduler, self.runner, self.clock, policy)
+        self.records = records
+        self.live: dict[str, Request] = {}
+        self.kv_series: list[tuple[float, float]] = []
+        self.seqs_series: list[tuple[float, int]] = []
+        self.batch_sum = 0
+        self.steps = 0
+        self._prompts: dict[int, list[int]] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running here (the router's load)."""
+        return len(self.live)
+
+    def add(self, req: SimRequest) -> None:
+        """Hand a request over at its arrival time (an idle replica's clock catches up)."""
+        if not self.busy and self.clock.now() < req.arrival_s:
+            self.clock.advance(req.arrival_s - self.clock.now())
+        self.records[req.request_id] = RequestRecord(req.arrival_s, req.prompt_len, req.output_len)
+        prompt = self._prompts.get(req.prompt_len)
+        if prompt is None:
+            prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
+        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+        request = Request(req.request_id, prompt, params, (), req.arrival_s)
+        self.scheduler.add_request(request)
+        self.live[req.request_id] = request
+
+    def step(self) -> None:
+        result = self.core.step()
+        self.steps += 1
+        self.batch_sum += result.num_scheduled
+        if result.num_scheduled == 0 and self.scheduler.stats().num_running == 0:
+            raise RuntimeError("the scheduler made no progress with requests waiting")
+        t = self.clock.now()
+        for out in result.outputs:
+            if out.finish_reason is not None:  # first-token time is on the Request
+                request = self.live.pop(out.request_id)
+                rec = self.records[out.request_id]
+                rec.first_token_s = request.first_token_time
+                rec.num_output = request.num_output_tokens
+                rec.finish_s = t
+        if self.steps % self.config.kv_sample_every == 1:
+            stats = self.scheduler.stats()
+            self.kv_series.append((t, stats.kv_usage))
+            self.seqs_series.append((t, stats.max_num_seqs))
+
+
 class Simulator:
     """One engine replica under a trace; `run` is deterministic for a given trace and config."""
 
@@ -126,88 +215,31 @@ class Simulator:
         self.config = config
 
     def run(self, trace: list[SimRequest], max_sim_s: float = math.inf) -> SimResult:
-        c = self.config
-        clock = VirtualClock()
-        runner = CostModelRunner(
-            c.model,
-            c.gpu,
-            clock,
-            c.cost,
-            num_blocks=c.num_blocks,
-            block_size=c.block_size,
-            max_model_len=c.max_model_len,
-            memory_utilization=c.memory_utilization,
-        )
-        kv = KVCacheManager(runner.num_kv_blocks(), c.block_size)
-        sched_config = SchedulerConfig(
-            max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=c.max_model_len,
-        )
-        scheduler = Scheduler(sched_config, kv, clock)
-        # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
-        policy = (
-            None
-            if c.policy == "static"
-            else make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
-        )
-        core = EngineCore(scheduler, runner, clock, policy)
-
-        pending = deque(sorted(trace, key=lambda r: r.arrival_s))
         records: dict[str, RequestRecord] = {}
-        live: dict[str, Request] = {}
-        kv_series: list[tuple[float, float]] = []
-        seqs_series: list[tuple[float, int]] = []
-        batch_sum = 0
-        steps = 0
-        prompt_cache: dict[int, list[int]] = {}
-        while pending or scheduler.has_unfinished_requests():
+        replica = SimReplica(self.config, records)
+        clock = replica.clock
+        pending = deque(sorted(trace, key=lambda r: r.arrival_s))
+        while pending or replica.busy:
             now = clock.now()
             if now > max_sim_s:
                 break
             while pending and pending[0].arrival_s <= now:
-                req = pending.popleft()
-                records[req.request_id] = RequestRecord(
-                    req.arrival_s, req.prompt_len, req.output_len
-                )
-                prompt = prompt_cache.get(req.prompt_len)
-                if prompt is None:
-                    prompt = prompt_cache[req.prompt_len] = [0] * req.prompt_len
-                params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
-                request = Request(req.request_id, prompt, params, (), req.arrival_s)
-                scheduler.add_request(request)
-                live[req.request_id] = request
-            if not scheduler.has_unfinished_requests():
+                replica.add(pending.popleft())
+            if not replica.busy:
                 clock.advance(pending[0].arrival_s - now)
                 continue
-            result = core.step()
-            steps += 1
-            batch_sum += result.num_scheduled
-            if result.num_scheduled == 0 and scheduler.stats().num_running == 0:
-                raise RuntimeError("the scheduler made no progress with requests waiting")
-            t = clock.now()
-            for out in result.outputs:
-                if out.finish_reason is not None:  # first-token time is on the Request
-                    request = live.pop(out.request_id)
-                    rec = records[out.request_id]
-                    rec.first_token_s = request.first_token_time
-                    rec.num_output = request.num_output_tokens
-                    rec.finish_s = t
-            if steps % c.kv_sample_every == 1:
-                stats = scheduler.stats()
-                kv_series.append((t, stats.kv_usage))
-                seqs_series.append((t, stats.max_num_seqs))
-        stats = scheduler.stats()
+            replica.step()
+        stats = replica.scheduler.stats()
         return SimResult(
-            config=c,
+            config=self.config,
             records=records,
             duration_s=clock.now(),
-            num_steps=steps,
+            num_steps=replica.steps,
             num_preemptions=stats.num_preemptions_total,
-            num_kv_blocks=runner.num_kv_blocks(),
-            batch_size_sum=batch_sum,
-            kv_usage_series=kv_series,
-            max_num_seqs_series=seqs_series,
+            num_kv_blocks=replica.runner.num_kv_blocks(),
+            batch_size_sum=replica.batch_sum,
+            kv_usage_series=replica.kv_series,
+            max_num_seqs_series=replica.seqs_series,
             free_blocks_at_end=stats.num_free_blocks,
         )
 

@@ -1,7 +1,8 @@
 """Seeded request traces for the simulator and load tests: arrivals plus prompt/output lengths.
 
 Arrivals: "offline" (everything at t=0), "poisson" (exponential gaps at `rate`), "bursty"
-(gamma gaps with the same mean and coefficient of variation `burstiness` > 1), or replayed from
+(gamma gaps with the same mean and coefficient of variation `burstiness` > 1), a diurnal rate
+curve with bursts on top (`make_diurnal_workload`, for autoscaling), or replayed from
 a JSONL trace (one object per line: `arrival_s`, `prompt_len`, `output_len`).
 
 Lengths: fixed, uniform, or lognormal. CHAT_PROMPT / CHAT_OUTPUT are lognormals moment-matched
@@ -76,6 +77,48 @@ def make_workload(
             t += rng.gammavariate(shape, 1.0 / (rate * shape))
         out.append(SimRequest(f"r{i}", t, prompt.sample(rng), output.sample(rng)))
     return out
+
+
+@dataclass(frozen=True)
+class Burst:
+    start_s: float
+    duration_s: float
+    rate: float  # extra requests/s on top of the diurnal rate
+
+
+def diurnal_rate(t: float, base: float, peak: float, period_s: float) -> float:
+    """A day compressed into period_s: the trough (base) at t = 0, the peak at period_s / 2."""
+    return base + (peak - base) * 0.5 * (1.0 - math.cos(2.0 * math.pi * t / period_s))
+
+
+def make_diurnal_workload(
+    duration_s: float,
+    base_rate: float,
+    peak_rate: float,
+    period_s: float,
+    bursts: tuple[Burst, ...] = (),
+    prompt: LengthDist = CHAT_PROMPT,
+    output: LengthDist = CHAT_OUTPUT,
+    seed: int = 0,
+) -> list[SimRequest]:
+    """Poisson arrivals whose rate follows a diurnal curve plus bursts (thinning: candidates
+    at the highest rate, each kept with probability rate(t) / highest)."""
+    if not 0 < base_rate <= peak_rate or duration_s <= 0 or period_s <= 0:
+        raise ValueError("need 0 < base_rate <= peak_rate, duration_s > 0 and period_s > 0")
+
+    def rate(t: float) -> float:
+        extra = sum(b.rate for b in bursts if b.start_s <= t < b.start_s + b.duration_s)
+        return diurnal_rate(t, base_rate, peak_rate, period_s) + extra
+
+    top = peak_rate + sum(b.rate for b in bursts)
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(top)
+        if t >= duration_s:
+            return out
+        if rng.random() * top <= rate(t):
+            out.append(SimRequest(f"r{len(out)}", t, prompt.sample(rng), output.sample(rng)))
 
 
 def load_trace(path: str | Path) -> list[SimRequest]:

@@ -2,6 +2,9 @@
 
     python -m loadtests.bench_sim paper [--out reports/paper] [--json] [--quick]
     python -m loadtests.bench_sim speed          # one simulated hour at 20 requests/s
+    python -m loadtests.bench_sim cpu            # static vs dynamic on the real CPU engine
+    python -m loadtests.bench_sim autoscale [--out reports/autoscale] [--duration 1800]
+        [--startup-delay 60]                     # see loadtests/bench_autoscale.py
 
 `paper` reproduces the comparison of arXiv 2503.05248 in our own setting (the paper's exact
 setup is not public: see ../shared/PAPER_NOTES.md): for each setting, throughput of static
@@ -307,16 +310,29 @@ def run_speed(hours: float, rate: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["paper", "speed", "cpu"])
+    parser.add_argument("scenario", choices=["paper", "speed", "cpu", "autoscale"])
     parser.add_argument("--model", default="small", help="cpu: tiny | small | a checkpoint dir")
     parser.add_argument("--num-requests", type=int, default=48, help="cpu: mixed-200 prefix")
     parser.add_argument("--kv-mb", type=int, default=48, help="cpu: KV cache budget")
-    parser.add_argument("--out", default="reports/paper")
+    parser.add_argument("--out", default=None, help="reports/<scenario> by default")
+    parser.add_argument("--duration", type=float, default=1800.0, help="autoscale: trace s")
+    parser.add_argument("--startup-delay", type=float, default=60.0, help="autoscale: replica s")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke runs)")
     parser.add_argument("--hours", type=float, default=1.0)
     parser.add_argument("--rate", type=float, default=20.0)
     opts = parser.parse_args(argv)
+    opts.out = opts.out or f"reports/{opts.scenario}"
+    if opts.scenario == "autoscale":
+        from loadtests import bench_autoscale
+
+        result = bench_autoscale.run_autoscale(opts.duration, opts.startup_delay, quick=opts.quick)
+        bench_autoscale.write_report(result, Path(opts.out))
+        if opts.json:
+            print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
+        else:
+            print((Path(opts.out) / "report.md").read_text())
+        return result
     if opts.scenario == "speed":
         result = run_speed(opts.hours, opts.rate)
     elif opts.scenario == "cpu":

@@ -1,0 +1,187 @@
+"""Many engine replicas on one timeline, a least-loaded router, and the autoscaling rule.
+
+Each replica is a SimReplica (the real scheduler, a priced runner, its own virtual clock).
+Events run in time order: arrivals (routed to the ready replica with the fewest requests),
+decision ticks (each ready replica's load is sampled, averaged over `look_back_s` as Serve
+does, and QueueDepthRule decides the count), and replica steps. A new replica serves
+`startup_delay_s` after the decision; a removed one first cancels a replica still starting,
+else drains the least loaded ready one (no new requests; it stops when empty, as Serve's
+graceful shutdown does). Replica-hours count every replica from its start to its stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
+from cluster.simulator import RequestRecord, SimConfig, SimReplica, summarize_records
+from cluster.workload import SimRequest
+
+
+@dataclass(frozen=True)
+class ClusterSimConfig:
+    replica: SimConfig
+    autoscale: AutoscaleConfig | None = None  # None: a fixed count of initial_replicas
+    initial_replicas: int = 1
+    startup_delay_s: float = 60.0
+    decision_interval_s: float = 1.0
+    look_back_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.initial_replicas < 1 or self.startup_delay_s < 0 or self.decision_interval_s <= 0:
+            raise ValueError("need initial_replicas >= 1, startup_delay_s >= 0, interval > 0")
+
+
+@dataclass
+class _Member:
+    replica: SimReplica
+    created_s: float
+    ready_s: float
+    draining: bool = False
+    stopped_s: float | None = None
+    samples: deque[tuple[float, ReplicaLoad]] = field(default_factory=deque)
+
+    def ready(self, t: float) -> bool:
+        return self.stopped_s is None and self.ready_s <= t
+
+    def load(self, t: float, look_back_s: float) -> ReplicaLoad:
+        stats = self.replica.scheduler.stats()
+        now = ReplicaLoad(
+            waiting=stats.num_waiting,
+            running=stats.num_running,
+            kv_usage=stats.kv_usage,
+            max_num_seqs=stats.max_num_seqs,
+        )
+        self.samples.append((t, now))
+        while self.samples and self.samples[0][0] < t - look_back_s:
+            self.samples.popleft()
+        n = len(self.samples)
+        return ReplicaLoad(
+            waiting=sum(s.waiting for _, s in self.samples) / n,
+            running=sum(s.running for _, s in self.samples) / n,
+            kv_usage=sum(s.kv_usage for _, s in self.samples) / n,
+            max_num_seqs=sum(s.max_num_seqs for _, s in self.samples) / n,
+        )
+
+
+@dataclass
+class ClusterSimResult:
+    config: ClusterSimConfig
+    records: dict[str, RequestRecord]
+    duration_s: float
+    replica_seconds: float
+    # (time, replicas serving, replicas starting, replicas draining) after every change.
+    replica_series: list[tuple[float, int, int, int]]
+    scale_events: list[tuple[float, int, int]]  # (time, target before, target after)
+
+    def summary(self) -> dict[str, float]:
+        ups = sum(1 for _, a, b in self.scale_events if b > a)
+        return summarize_records(self.records, self.config.replica.slo, self.duration_s) | {
+            "replica_hours": self.replica_seconds / 3600.0,
+            "mean_replicas": self.replica_seconds / max(self.duration_s, 1e-9),
+            "max_replicas": max((s + st for _, s, st, _ in self.replica_series), default=0),
+            "scale_ups": ups,
+            "scale_downs": len(self.scale_events) - ups,
+        }
+
+
+class ClusterSimulator:
+    def __init__(self, config: ClusterSimConfig) -> None:
+        self.config = config
+
+    def run(self, trace: list[SimRequest], max_sim_s: float = math.inf) -> ClusterSimResult:
+        c = self.config
+        records: dict[str, RequestRecord] = {}
+        members: list[_Member] = [
+            _Member(SimReplica(c.replica, records), 0.0, 0.0) for _ in range(c.initial_replicas)
+        ]
+        rule = QueueDepthRule(c.autoscale) if c.autoscale is not None else None
+        pending = deque(sorted(trace, key=lambda r: r.arrival_s))
+        series: list[tuple[float, int, int, int]] = []
+        events: list[tuple[float, int, int]] = []
+        next_tick = 0.0
+        t = 0.0
+
+        def record_series(now: float) -> None:
+            live = [m for m in members if m.stopped_s is None]
+            serving = sum(1 for m in live if m.ready(now) and not m.draining)
+            starting = sum(1 for m in live if m.ready_s > now)
+            draining = sum(1 for m in live if m.draining)
+            if not series or series[-1][1:] != (serving, starting, draining):
+                series.append((now, serving, starting, draining))
+
+        record_series(0.0)
+        while pending or any(m.replica.busy for m in members):
+            t_arrival = pending[0].arrival_s if pending else math.inf
+            stepper = min(
+                (m for m in members if m.replica.busy),
+                key=lambda m: m.replica.clock.now(),
+                default=None,
+            )
+            t_step = stepper.replica.clock.now() if stepper is not None else math.inf
+            t_tick = next_tick if rule is not None else math.inf
+            t = min(t_arrival, t_tick, t_step)
+            if t > max_sim_s:
+                break
+            if t_arrival <= t_tick and t_arrival <= t_step:
+                req = pending.popleft()
+                candidates = [m for m in members if m.ready(t) and not m.draining]
+                target = min(candidates, key=lambda m: m.replica.num_requests)
+                target.replica.add(req)
+            elif t_tick <= t_step:
+                assert rule is not None
+                next_tick += c.decision_interval_s
+                self._decide(rule, members, records, t, events)
+                record_series(t)
+            else:
+                assert stepper is not None
+                stepper.replica.step()
+                if stepper.draining and not stepper.replica.busy:
+                    stepper.stopped_s = stepper.replica.clock.now()
+                    record_series(stepper.stopped_s)
+        end = t if math.isfinite(t) else 0.0
+        end = max([end] + [m.replica.clock.now() for m in members if m.stopped_s is None])
+        replica_seconds = sum(
+            max((m.stopped_s if m.stopped_s is not None else end) - m.created_s, 0.0)
+            for m in members
+        )
+        record_series(end)
+        return ClusterSimResult(c, records, end, replica_seconds, series, events)
+
+    def _decide(
+        self,
+        rule: QueueDepthRule,
+        members: list[_Member],
+        records: dict[str, RequestRecord],
+        t: float,
+        events: list[tuple[float, int, int]],
+    ) -> None:
+        c = self.config
+        active = [m for m in members if m.stopped_s is None and not m.draining]
+        loads = [m.load(t, c.look_back_s) for m in active if m.ready(t)]
+        current = len(active)
+        desired = rule.desired(t, current, loads)
+        if desired > current:
+            for _ in range(desired - current):
+                replica = SimReplica(c.replica, records, start_s=t + c.startup_delay_s)
+                members.append(_Member(replica, t, t + c.startup_delay_s))
+        elif desired < current:
+            for _ in range(current - desired):
+                starting = [m for m in active if m.ready_s > t and m.stopped_s is None]
+                if starting:  # cancel the newest replica that is still starting
+                    victim = max(starting, key=lambda m: m.created_s)
+                    victim.stopped_s = t
+                    active.remove(victim)
+                    continue
+                serving = [m for m in active if m.ready(t)]
+                if len(serving) <= 1:
+                    break
+                victim = min(serving, key=lambda m: m.replica.num_requests)
+                victim.draining = True
+                active.remove(victim)
+                if not victim.replica.busy:
+                    victim.stopped_s = t
+        if desired != current:
+            events.append((t, current, desired))

@@ -1,0 +1,75 @@
+"""The cluster simulator: many real schedulers on one timeline, routed and autoscaled."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.autoscale import AutoscaleConfig
+from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
+from cluster.simulator import SimConfig, Simulator
+from cluster.workload import Burst, make_diurnal_workload, make_workload
+from engine.runner.cost_model import GPUS, MODELS
+
+REPLICA = SimConfig(MODELS["Llama-2-7B"], GPUS["A100-80GB"], max_num_seqs=128)
+RULE = AutoscaleConfig(1, 4, target_waiting=4, upscale_delay_s=5, downscale_delay_s=20)
+
+
+def test_one_fixed_replica_matches_the_single_replica_simulator():
+    trace = make_workload(300, rate=8.0, seed=2)
+    single = Simulator(REPLICA).run(trace)
+    cluster = ClusterSimulator(ClusterSimConfig(REPLICA, None, 1)).run(trace)
+    for rid, rec in single.records.items():
+        other = cluster.records[rid]
+        assert (other.first_token_s, other.finish_s, other.num_output) == (
+            rec.first_token_s,
+            rec.finish_s,
+            rec.num_output,
+        )
+    assert cluster.summary()["replica_hours"] == pytest.approx(single.duration_s / 3600)
+
+
+@pytest.fixture(scope="module")
+def diurnal():
+    # Trough 2 req/s, peak 30 req/s (one replica serves ~13 within the SLO), a burst.
+    trace = make_diurnal_workload(400, 2.0, 30.0, 400, (Burst(120, 20, 20.0),), seed=4)
+    runs = {
+        "min": ClusterSimulator(ClusterSimConfig(REPLICA, None, 1)).run(trace),
+        "max": ClusterSimulator(ClusterSimConfig(REPLICA, None, 4)).run(trace),
+        "rule": ClusterSimulator(ClusterSimConfig(REPLICA, RULE, 1, startup_delay_s=30)).run(trace),
+    }
+    return trace, runs
+
+
+def test_rule_goes_up_for_the_peak_and_back_down_and_every_request_finishes(diurnal):
+    trace, runs = diurnal
+    rule = runs["rule"].summary()
+    assert rule["finished"] == len(trace)
+    assert rule["max_replicas"] >= 3 and rule["scale_ups"] >= 1 and rule["scale_downs"] >= 1
+    last = runs["rule"].replica_series[-1]
+    assert last[1] + last[2] + last[3] == 1  # back to min_replicas at the trough
+    low, high = runs["min"].summary(), runs["max"].summary()
+    # Cheaper than provisioning for the peak, much better than provisioning for the trough.
+    assert low["replica_hours"] < rule["replica_hours"] < high["replica_hours"]
+    assert rule["sla_attainment"] > low["sla_attainment"] + 0.3
+    assert rule["scale_ups"] <= 3  # no flapping
+
+
+def test_new_replicas_serve_only_after_the_startup_delay(diurnal):
+    _, runs = diurnal
+    res = runs["rule"]
+    t_up, before, after = next(e for e in res.scale_events if e[2] > e[1])
+    serving_at = [t for t, serving, _, _ in res.replica_series if serving > before]
+    assert serving_at and serving_at[0] >= t_up + 30.0 - 1e-9
+    starting = [s for t, _, s, _ in res.replica_series if t_up <= t < t_up + 30.0]
+    assert starting and all(s == after - before for s in starting)
+
+
+def test_autoscale_bench_writes_report_and_plots(tmp_path):
+    from loadtests.bench_sim import main
+
+    result = main(["autoscale", "--out", str(tmp_path), "--duration", "120", "--quick", "--json"])
+    names = [r["setting"] for r in result["rows"]]
+    assert "fixed 4 (peak)" in names and any(n.startswith("rule:") for n in names)
+    assert (tmp_path / "report.md").read_text().count("|") > 40
+    assert (tmp_path / "replicas_over_time.png").stat().st_size > 1000
+    assert (tmp_path / "cost_vs_sla.png").stat().st_size > 1000
