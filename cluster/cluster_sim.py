@@ -7,17 +7,25 @@ does, and QueueDepthRule decides the count), and replica steps. A new replica se
 `startup_delay_s` after the decision; a removed one first cancels a replica still starting,
 else drains the least loaded ready one (no new requests; it stops when empty, as Serve's
 graceful shutdown does). Replica-hours count every replica from its start to its stop.
+
+With `controller_interval_s` set, the batching policy runs where the deployed app runs it:
+in a ClusterControl fed a report from every replica each period (cluster/control.py), and
+arrivals are routed by load over the controller's routing weights, as LoadAwareRouter does.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
+from cluster.batching import DecodeWindow, make_policy
+from cluster.control import ClusterControl, ReplicaStats, weighted_load
 from cluster.simulator import RequestRecord, SimConfig, SimReplica, summarize_records
 from cluster.workload import SimRequest
+from engine.core.outputs import SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,10 @@ class ClusterSimConfig:
     startup_delay_s: float = 60.0
     decision_interval_s: float = 1.0
     look_back_s: float = 5.0
+    # Set: the batching policy runs in a ClusterControl at this period (as the deployed
+    # controller does), and routing divides load by its routing weights. None: each replica
+    # runs its policy before every step.
+    controller_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.initial_replicas < 1 or self.startup_delay_s < 0 or self.decision_interval_s <= 0:
@@ -42,6 +54,9 @@ class _Member:
     draining: bool = False
     stopped_s: float | None = None
     samples: deque[tuple[float, ReplicaLoad]] = field(default_factory=deque)
+    name: str = ""
+    routing_weight: float = 1.0
+    last_reported: SchedulerStats | None = None
 
     def ready(self, t: float) -> bool:
         return self.stopped_s is None and self.ready_s <= t
@@ -75,6 +90,7 @@ class ClusterSimResult:
     # (time, replicas serving, replicas starting, replicas draining) after every change.
     replica_series: list[tuple[float, int, int, int]]
     scale_events: list[tuple[float, int, int]]  # (time, target before, target after)
+    control_view: dict | None = None  # the ClusterControl's view at the end (controller runs)
 
     def summary(self) -> dict[str, float]:
         ups = sum(1 for _, a, b in self.scale_events if b > a)
@@ -94,10 +110,23 @@ class ClusterSimulator:
     def run(self, trace: list[SimRequest], max_sim_s: float = math.inf) -> ClusterSimResult:
         c = self.config
         records: dict[str, RequestRecord] = {}
-        members: list[_Member] = [
-            _Member(SimReplica(c.replica, records), 0.0, 0.0) for _ in range(c.initial_replicas)
-        ]
+        controlled = c.controller_interval_s is not None
+        members: list[_Member] = []
+
+        def spawn(t: float, ready_s: float) -> None:
+            replica = SimReplica(c.replica, records, start_s=ready_s, controlled=controlled)
+            members.append(_Member(replica, t, ready_s, name=f"replica-{len(members)}"))
+
+        for _ in range(c.initial_replicas):
+            spawn(0.0, 0.0)
         rule = QueueDepthRule(c.autoscale) if c.autoscale is not None else None
+        r = c.replica
+        control = (
+            ClusterControl(lambda: make_policy(r.policy, r.max_num_seqs, r.memory_aware, r.sla))
+            if controlled
+            else None
+        )
+        next_control = 0.0
         pending = deque(sorted(trace, key=lambda r: r.arrival_s))
         series: list[tuple[float, int, int, int]] = []
         events: list[tuple[float, int, int]] = []
@@ -122,18 +151,26 @@ class ClusterSimulator:
             )
             t_step = stepper.replica.clock.now() if stepper is not None else math.inf
             t_tick = next_tick if rule is not None else math.inf
-            t = min(t_arrival, t_tick, t_step)
+            t_control = next_control if control is not None else math.inf
+            t = min(t_arrival, t_tick, t_step, t_control)
             if t > max_sim_s:
                 break
-            if t_arrival <= t_tick and t_arrival <= t_step:
+            if t_arrival <= min(t_tick, t_step, t_control):
                 req = pending.popleft()
                 candidates = [m for m in members if m.ready(t) and not m.draining]
-                target = min(candidates, key=lambda m: m.replica.num_requests)
+                target = min(
+                    candidates,
+                    key=lambda m: weighted_load(m.replica.num_requests, m.routing_weight),
+                )
                 target.replica.add(req)
+            elif t_control <= min(t_tick, t_step):
+                assert control is not None and c.controller_interval_s is not None
+                next_control += c.controller_interval_s
+                self._control(control, members, t)
             elif t_tick <= t_step:
                 assert rule is not None
                 next_tick += c.decision_interval_s
-                self._decide(rule, members, records, t, events)
+                self._decide(rule, members, t, events, spawn)
                 record_series(t)
             else:
                 assert stepper is not None
@@ -148,15 +185,35 @@ class ClusterSimulator:
             for m in members
         )
         record_series(end)
-        return ClusterSimResult(c, records, end, replica_seconds, series, events)
+        view = control.view(end) if control is not None else None
+        return ClusterSimResult(c, records, end, replica_seconds, series, events, view)
+
+    @staticmethod
+    def _control(control: ClusterControl, members: list[_Member], t: float) -> None:
+        """One round of reports, as the deployed replicas send them every period."""
+        for m in members:
+            if not m.ready(t) or m.replica.external is None:
+                continue
+            stats = m.replica.scheduler.stats()
+            report = ReplicaStats(
+                replica_id=m.name,
+                scheduler=stats,
+                num_streams=m.replica.num_requests,
+                capacity=1 << 30,
+                decode=DecodeWindow.between(m.last_reported, stats),
+            )
+            m.last_reported = stats
+            decision = control.report(report, t)
+            m.replica.external.set(decision.limits)
+            m.routing_weight = decision.routing_weight
 
     def _decide(
         self,
         rule: QueueDepthRule,
         members: list[_Member],
-        records: dict[str, RequestRecord],
         t: float,
         events: list[tuple[float, int, int]],
+        spawn: Callable[[float, float], None],
     ) -> None:
         c = self.config
         active = [m for m in members if m.stopped_s is None and not m.draining]
@@ -165,8 +222,7 @@ class ClusterSimulator:
         desired = rule.desired(t, current, loads)
         if desired > current:
             for _ in range(desired - current):
-                replica = SimReplica(c.replica, records, start_s=t + c.startup_delay_s)
-                members.append(_Member(replica, t, t + c.startup_delay_s))
+                spawn(t, t + c.startup_delay_s)
         elif desired < current:
             for _ in range(current - desired):
                 starting = [m for m in active if m.ready_s > t and m.stopped_s is None]

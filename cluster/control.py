@@ -22,6 +22,12 @@ from engine.core.outputs import SchedulerStats
 MIN_ROUTING_WEIGHT = 0.1
 
 
+def weighted_load(outstanding: int, weight: float) -> float:
+    """A replica's load as routers rank it: outstanding requests over its routing weight.
+    +1: a throttled replica with nothing outstanding still ranks behind an idle full one."""
+    return (outstanding + 1) / max(weight, 1e-3)
+
+
 @dataclass(frozen=True)
 class LatencySummary:
     """p50 / p99 of a latency over the report period (None: no samples)."""

@@ -18,6 +18,7 @@ from engine.core.clock import VirtualClock
 from engine.core.config import SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.policy import BatchingPolicy, ExternalLimits
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -131,7 +132,14 @@ class SimReplica:
     a CostModelRunner pricing each step. The single-replica Simulator drives one; the
     cluster simulator drives many on a shared timeline."""
 
-    def __init__(self, config: SimConfig, records: dict[str, RequestRecord], start_s: float = 0.0):
+    def __init__(
+        self,
+        config: SimConfig,
+        records: dict[str, RequestRecord],
+        start_s: float = 0.0,
+        controlled: bool = False,
+    ):
+        """`controlled`: the batching policy runs outside (a ClusterControl sets `external`)."""
         c = self.config = config
         self.clock = VirtualClock(start_s)
         self.runner = CostModelRunner(
@@ -152,11 +160,14 @@ class SimReplica:
         )
         self.scheduler = Scheduler(sched_config, kv, self.clock)
         # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
-        policy = (
+        policy: BatchingPolicy | None = (
             None
             if c.policy == "static"
             else make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
         )
+        self.external: ExternalLimits | None = None
+        if controlled:
+            policy = self.external = ExternalLimits(sched_config.limits())
         self.core = EngineCore(self.scheduler, self.runner, self.clock, policy)
         self.records = records
         self.live: dict[str, Request] = {}

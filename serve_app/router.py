@@ -17,6 +17,8 @@ from array import array
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from cluster.control import weighted_load
+
 
 def prefix_key(token_ids: list[int], prefix_tokens: int) -> bytes:
     return hashlib.blake2b(array("q", token_ids[:prefix_tokens]).tobytes(), digest_size=8).digest()
@@ -27,11 +29,6 @@ def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
     return max(
         replica_ids, key=lambda rid: hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
     )
-
-
-def weighted_load(outstanding: int, weight: float) -> float:
-    # +1: a throttled replica with nothing outstanding still ranks behind an idle full one.
-    return (outstanding + 1) / max(weight, 1e-3)
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):

@@ -12,8 +12,7 @@ from cluster.batching import (
     SlaPolicy,
     make_policy,
 )
-from cluster.control import ClusterControl, ReplicaStats
-from serve_app.router import weighted_load
+from cluster.control import ClusterControl, ReplicaStats, weighted_load
 from tests.cluster.test_batching import decode_step, stats
 
 SLA = SlaConfig(target_s=0.05, eps_s=0.005, alpha=4, delta=4, max_step=0, bounds=Bounds(1, 64))
