@@ -8,6 +8,8 @@ takes), and autoscaling between 1 and 2 replicas with short delays.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -150,6 +152,17 @@ def test_controller_hears_every_replica_and_engines_apply_its_limits(serve_clust
     )
     assert all(r["age_s"] < 3 for r in view["replicas"])
     assert {r["limits"]["max_num_seqs"] for r in view["replicas"]} == {64}  # static
+    # The same view as a table, from the command line.
+    table = subprocess.run(
+        [sys.executable, "-m", "cluster.status", "--url", serve_cluster.base_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "engine replicas reporting" in table
+    for r in view["replicas"]:
+        assert r["replica_id"][:10] in table
 
     # The `scaling` app: configured max_num_seqs 2; the SLA policy (in the controller) raises
     # it once it sees decode steps far under target, and the engine then runs more than 2.
