@@ -1,6 +1,7 @@
 """Serving overhead: the standard workload through HTTP (Ray Serve) vs in process, one run.
 
     python -m loadtests.bench_serve [--model small] [--concurrency 32] [--json]
+    python -m loadtests.bench_serve sweep --url http://127.0.0.1:8000 ...   (loadtests/sweep.py)
 
 Both sides run the same engine settings and the same closed loop: `concurrency` clients, each
 sending its next request when the previous one ends, streaming. In process the clients call
@@ -187,6 +188,11 @@ def _median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sweep":  # latency-throughput curves: loadtests/sweep.py
+        from loadtests import sweep
+
+        return sweep.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="tiny | small | a checkpoint dir")
     parser.add_argument("--workload", default="mixed-200")
