@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cluster.batching import AnyPolicy, DecodeWindow, sla_part
+from cluster.engine_metrics import EngineMetricsSnapshot
 from engine.core.config import SchedulerLimits
 from engine.core.outputs import SchedulerStats
 
@@ -48,7 +49,8 @@ class ReplicaStats:
     num_rejected_total: int = 0
     decode: DecodeWindow | None = None  # decode-only steps since the last report
     ttft: LatencySummary = LatencySummary()  # requests that got their first token this period
-    itl: LatencySummary = LatencySummary()  # gaps between a request's streamed chunks
+    itl: LatencySummary = LatencySummary()  # inter-token gaps of the streamed chunks
+    metrics: EngineMetricsSnapshot | None = None  # cumulative request metrics (/metrics)
 
     @property
     def num_waiting(self) -> int:
@@ -131,6 +133,11 @@ class ClusterControl:
             del self.replicas[rid]
         self.num_expired_total += len(gone)
         return gone
+
+    def latest(self, now: float) -> list[tuple[ReplicaStats, ControlDecision]]:
+        """Each live replica's last report and decision (what GET /metrics renders)."""
+        self.expire(now)
+        return [(e.last, e.decision) for _, e in sorted(self.replicas.items())]
 
     def view(self, now: float) -> dict[str, Any]:
         """The cluster as JSON-ready data: GET /v1/cluster and `python -m cluster.status`."""

@@ -154,6 +154,11 @@ class LLMEngine:
                     finish_reason=finish_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_output_tokens=req.num_output_tokens,
+                    queue_time_s=(
+                        req.first_scheduled_time - req.arrival_time
+                        if finish_reason is not None and req.first_scheduled_time is not None
+                        else None
+                    ),
                 )
             )
             if finish_reason is not None:

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster import autoscale
 from cluster.batching import DecodeWindow
 from cluster.control import ControlDecision, LatencySummary, ReplicaStats
+from cluster.engine_metrics import EngineMetrics
 from cluster.metrics import percentile
 from engine.core.config import SchedulerLimits
 from engine.core.outputs import RequestOutput, SchedulerStats
@@ -45,7 +46,8 @@ _MAX_SAMPLES = 4096
 
 
 class _PeriodLatencies:
-    """TTFT and inter-chunk gaps of this replica's requests since the last report."""
+    """TTFT and inter-token gaps of this replica's requests since the last report (a chunk of
+    k tokens after a gap g is one sample of g / k)."""
 
     def __init__(self) -> None:
         self.ttft: list[float] = []
@@ -90,6 +92,7 @@ class EngineServer:
         self.replica_id = context.replica_id.unique_id if context else "local"
         self.num_rejected_total = 0
         self.latencies = _PeriodLatencies()
+        self.metrics = EngineMetrics()
         self.decision = ControlDecision(
             SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
         )
@@ -124,17 +127,30 @@ class EngineServer:
             return
         last_sent = time.monotonic()
         self.latencies.add(self.latencies.ttft, last_sent - started)
-        yield first
-        interval = self.args.stream_interval_s
-        held: RequestOutput | None = None
-        async for out in stream:
-            held = out if held is None else held.merge(out)
-            now = time.monotonic()
-            if out.finished or now - last_sent >= interval:
-                if held.new_token_ids:
-                    self.latencies.add(self.latencies.itl, now - last_sent)
-                yield held
-                held, last_sent = None, now
+        self.metrics.ttft.observe(last_sent - started)
+        final = first
+        try:
+            yield first
+            interval = self.args.stream_interval_s
+            held: RequestOutput | None = None
+            async for out in stream:
+                held = out if held is None else held.merge(out)
+                final = out
+                now = time.monotonic()
+                if out.finished or now - last_sent >= interval:
+                    if k := len(held.new_token_ids):
+                        self.latencies.add(self.latencies.itl, (now - last_sent) / k)
+                        self.metrics.chunk(now - last_sent, k)
+                    yield held
+                    held, last_sent = None, now
+        finally:  # also when the caller went away (the engine request was aborted)
+            self.metrics.finished(
+                final.num_prompt_tokens,
+                final.num_output_tokens,
+                final.finish_reason if final.finished else "abort",
+                time.monotonic() - started,
+                final.queue_time_s,
+            )
 
     async def stats(self) -> dict[str, Any]:
         """This replica's scheduler stats plus stream bookkeeping (tests, /metrics)."""
@@ -169,6 +185,9 @@ class EngineServer:
             decode=window,
             ttft=ttft,
             itl=itl,
+            metrics=self.metrics.snapshot(
+                self.engine.engine.scheduler.batch_size_histogram.snapshot()
+            ),
         )
 
     async def _report_loop(self) -> None:

@@ -27,7 +27,7 @@ from engine.core.outputs import RequestOutput
 from serve_app import openai_protocol as oai
 from serve_app.config import AppArgs
 from serve_app.engine_server import EngineRejection
-from serve_app.telemetry import IngressMetrics
+from serve_app.telemetry import IngressMetrics, render_engine_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,16 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+        body = self.metrics.render()
+        if self.controller is not None:
+            try:
+                latest = await asyncio.wait_for(
+                    self.controller.latest.remote(), self.args.controller.report_timeout_s
+                )
+                body += render_engine_metrics(self.model_name, latest)
+            except Exception as exc:  # controller restarting: the ingress's own metrics only
+                logger.warning("engine metrics unavailable: %r", exc)
+        return Response(body, media_type=self.metrics.content_type)
 
     @app.get("/v1/cluster")
     async def cluster(self) -> Response:

@@ -1,8 +1,11 @@
-"""Prometheus metrics of one ingress replica, served as text at GET /metrics."""
+"""GET /metrics: the HTTP-level metrics of the ingress replica that answers, then the engine
+replicas' metrics as the cluster controller last heard them (the whole deployment, whichever
+ingress replica answers)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -73,3 +76,108 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# ------------------------------------------------------------------- engine replicas
+def _histogram(name: str, doc: str, rows) -> HistogramMetricFamily:
+    """rows: (label values, HistogramSnapshot); Prometheus wants cumulative buckets."""
+    family = HistogramMetricFamily(name, doc, labels=["model_name", "replica"])
+    for labels, snap in rows:
+        if snap is None:
+            continue
+        cumulative, buckets = 0, []
+        for bound, count in zip((*snap.bounds, float("inf")), snap.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        family.add_metric(labels, buckets, snap.total)
+    return family
+
+
+class _EngineCollector:
+    """The deployment's engine replicas as the controller last heard them, with the metric
+    names vLLM uses (prefix `dynabatch:` where vLLM has `vllm:`)."""
+
+    def __init__(self, model_name: str, latest) -> None:
+        self.model_name, self.latest = model_name, latest
+
+    def collect(self):
+        m = self.model_name
+        rows = [((m, stats.replica_id), stats, decision) for stats, decision in self.latest]
+        gauges = {
+            "num_requests_running": (
+                "Requests in the running batch.",
+                lambda s, d: s.scheduler.num_running,
+            ),
+            "num_requests_waiting": (
+                "Requests accepted and not running.",
+                lambda s, d: s.num_waiting,
+            ),
+            "kv_cache_usage_perc": (
+                "KV cache usage (1 = full).",
+                lambda s, d: s.scheduler.kv_usage,
+            ),
+            "max_num_seqs": (
+                "The batch limit the policy set now.",
+                lambda s, d: d.limits.max_num_seqs,
+            ),
+            "routing_weight": (
+                "The controller's routing weight (below 1: throttled).",
+                lambda s, d: d.routing_weight,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"dynabatch:{name}", doc, labels=["model_name", "replica"])
+            for labels, stats, decision in rows:
+                family.add_metric(labels, float(value(stats, decision)))
+            yield family
+        yield GaugeMetricFamily(
+            "dynabatch:num_engine_replicas", "Engine replicas reporting.", value=len(rows)
+        )
+        counters = {
+            "num_preemptions": ("Preemptions.", lambda s: s.scheduler.num_preemptions_total),
+            "prompt_tokens": (
+                "Prompt tokens of finished requests.",
+                lambda s: s.metrics.prompt_tokens_total,
+            ),
+            "generation_tokens": (
+                "Generated tokens of finished requests.",
+                lambda s: s.metrics.generation_tokens_total,
+            ),
+            "num_rejected": ("Requests answered 429.", lambda s: s.num_rejected_total),
+        }
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(f"dynabatch:{name}", doc, labels=["model_name", "replica"])
+            for labels, stats, _ in rows:
+                if stats.metrics is not None or name in ("num_preemptions", "num_rejected"):
+                    family.add_metric(labels, float(value(stats)))
+            yield family
+        success = CounterMetricFamily(
+            "dynabatch:request_success",
+            "Finished requests by finish reason.",
+            labels=["model_name", "replica", "finished_reason"],
+        )
+        for labels, stats, _ in rows:
+            for reason, n in (stats.metrics.finished_total if stats.metrics else {}).items():
+                success.add_metric([*labels, reason], float(n))
+        yield success
+        hists = {
+            "time_to_first_token_seconds": ("Time to first token at the engine.", "ttft"),
+            "inter_token_latency_seconds": ("Time between streamed tokens.", "itl"),
+            "e2e_request_latency_seconds": ("Request latency at the engine.", "e2e"),
+            "request_queue_time_seconds": ("Arrival to first scheduled.", "queue_time"),
+            "iteration_batch_size": ("Requests per engine step.", "batch_size"),
+        }
+        for name, (doc, attr) in hists.items():
+            yield _histogram(
+                f"dynabatch:{name}",
+                doc,
+                [(labels, getattr(s.metrics, attr)) for labels, s, _ in rows if s.metrics],
+            )
+
+
+def render_engine_metrics(model_name: str, latest) -> bytes:
+    """Prometheus text for the engine replicas (`latest`: the controller's (stats, decision)
+    pairs)."""
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(model_name, latest))
+    return generate_latest(registry)

@@ -68,6 +68,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    # On the finished delta: seconds from arrival to first scheduled (None if never run).
+    queue_time_s: float | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
@@ -80,6 +82,7 @@ class RequestOutput:
             num_prompt_tokens=later.num_prompt_tokens,
             num_output_tokens=later.num_output_tokens,
             error=later.error,
+            queue_time_s=later.queue_time_s,
         )
 
 

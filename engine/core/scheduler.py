@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import SchedulerConfig, SchedulerLimits
+from engine.core.histogram import CumulativeHistogram
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
     EngineCoreOutput,
@@ -16,6 +17,9 @@ from engine.core.outputs import (
     SchedulerStats,
 )
 from engine.core.request import Request, RequestStatus
+
+# Requests per step (Prometheus buckets of the iteration batch size histogram).
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Scheduler:
@@ -53,6 +57,7 @@ class Scheduler:
         self.decode_step_seconds_total = 0.0
         self.decode_step_seqs_total = 0
         self._last_step_duration_s: float | None = None
+        self.batch_size_histogram = CumulativeHistogram(BATCH_SIZE_BUCKETS)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -153,6 +158,8 @@ class Scheduler:
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         self.num_steps_total += 1
         self._last_step_num_seqs = len(scheduled)
+        if scheduled:
+            self.batch_size_histogram.observe(len(scheduled))
         self._last_step_num_decodes = num_decodes
         self._last_step_decode_only = bool(scheduled) and num_decodes == len(scheduled)
         self._last_step_duration_s = None

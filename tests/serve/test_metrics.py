@@ -1,0 +1,92 @@
+"""GET /metrics: Prometheus text that parses, engine metrics of every replica under vLLM's
+names, and counters that move by exactly what the requests did."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def scrape(base_url: str) -> dict[str, dict[tuple, float]]:
+    """{sample name: {sorted label items: value}} from one parse of /metrics."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def total(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for k, v in samples.get(name, {}).items() if want <= set(k))
+
+
+def test_engine_metrics_cover_every_replica_and_count_exactly(serve_cluster):
+    base = serve_cluster.base_url
+    before = scrape(base)
+    assert total(before, "dynabatch:num_engine_replicas") == 2
+    replicas = {dict(k)["replica"] for k in before["dynabatch:num_requests_running"]}
+    assert len(replicas) == 2
+    for gauge in ("num_requests_waiting", "kv_cache_usage_perc", "max_num_seqs"):
+        assert {dict(k)["replica"] for k in before[f"dynabatch:{gauge}"]} == replicas
+    assert set(before["dynabatch:max_num_seqs"].values()) == {64.0}
+
+    n, max_tokens = 6, 5
+    usage = []
+    for i in range(n):
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": f"count me {i}",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200
+        usage.append(r.json()["usage"])
+
+    def moved() -> dict | None:
+        now = scrape(base)
+        done = total(now, "dynabatch:request_success_total", finished_reason="length")
+        return (
+            now
+            if done - total(before, "dynabatch:request_success_total", finished_reason="length")
+            >= n
+            else None
+        )
+
+    deadline = time.monotonic() + 10
+    after = moved()
+    while after is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+        after = moved()
+    assert after is not None, "engine counters did not move within 10 s"
+
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert delta("dynabatch:generation_tokens_total") == n * max_tokens
+    assert delta("dynabatch:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert delta("dynabatch:time_to_first_token_seconds_count") == n
+    assert delta("dynabatch:e2e_request_latency_seconds_count") == n
+    assert delta("dynabatch:request_queue_time_seconds_count") == n
+    assert delta("dynabatch:inter_token_latency_seconds_count") == n * (max_tokens - 1)
+    assert delta("dynabatch:iteration_batch_size_count") >= max_tokens
+    # Histogram buckets are cumulative and end at the count.
+    ttft = after["dynabatch:time_to_first_token_seconds_bucket"]
+    for replica in replicas:
+        rows = sorted(
+            (float(dict(k)["le"]), v) for k, v in ttft.items() if dict(k)["replica"] == replica
+        )
+        assert [v for _, v in rows] == sorted(v for _, v in rows)
+        count = total(after, "dynabatch:time_to_first_token_seconds_count", replica=replica)
+        assert rows[-1] == (float("inf"), count)
