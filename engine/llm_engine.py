@@ -159,6 +159,7 @@ class LLMEngine:
                         if finish_reason is not None and req.first_scheduled_time is not None
                         else None
                     ),
+                    num_preemptions=req.num_preemptions,
                 )
             )
             if finish_reason is not None:

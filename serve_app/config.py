@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from serve_app.tracing import TracingArgs
 
 
 class _Strict(BaseModel):
@@ -235,6 +236,9 @@ class AppArgs(_Strict):
     )
     controller: ControllerArgs = Field(
         default_factory=ControllerArgs, description="The cluster controller."
+    )
+    tracing: TracingArgs = Field(
+        default_factory=TracingArgs, description="OpenTelemetry tracing of requests."
     )
     autoscaling: AutoscalingArgs | None = Field(
         None, description="Scale engine replicas on queue depth. Null: engine_replicas is fixed."

@@ -26,6 +26,7 @@ from engine.core.config import SchedulerLimits
 from engine.core.outputs import RequestOutput, SchedulerStats
 from engine.core.policy import ExternalLimits
 from engine.core.sampling_params import SamplingParams
+from serve_app import tracing
 from serve_app.config import AppArgs
 from serve_app.openai_protocol import field_of_message
 
@@ -67,6 +68,20 @@ class _PeriodLatencies:
         return out  # type: ignore[return-value]
 
 
+def _end_engine_span(span, final: RequestOutput, reason: str, started: float) -> None:
+    if final.queue_time_s is not None:
+        # Queue time runs from the engine's arrival stamp, a little after `started` (both
+        # monotonic): `started + queue time` is at most that little early.
+        span.add_event("scheduled", timestamp=tracing.wall_ns_of(started + final.queue_time_s))
+    span.set_attribute("dynabatch.output_tokens", final.num_output_tokens)
+    span.set_attribute("dynabatch.finish_reason", reason)
+    span.set_attribute("dynabatch.num_preemptions", final.num_preemptions)
+    if final.num_preemptions:
+        span.add_event("preempted", {"count": final.num_preemptions})
+    span.add_event("finished", {"finish_reason": reason})
+    span.end()
+
+
 @serve.deployment(name="EngineServer")
 class EngineServer:
     def __init__(
@@ -93,6 +108,7 @@ class EngineServer:
         self.num_rejected_total = 0
         self.latencies = _PeriodLatencies()
         self.metrics = EngineMetrics()
+        self.tracer = tracing.make_tracer(self.args.tracing, "engine")
         self.decision = ControlDecision(
             SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
         )
@@ -106,7 +122,11 @@ class EngineServer:
         )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput | EngineRejection]:
         if self.engine.num_streams >= self.capacity:
             self.num_rejected_total += 1
@@ -117,10 +137,26 @@ class EngineServer:
             )
             return
         started = time.monotonic()
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span(
+                "engine.generate",
+                context=tracing.extract(trace_context),
+                attributes={
+                    "dynabatch.request_id": request_id,
+                    "dynabatch.replica": self.replica_id,
+                    "dynabatch.prompt_tokens": len(prompt_token_ids),
+                    "dynabatch.max_tokens": params.max_tokens or 0,
+                },
+            )
+            span.add_event("queued", timestamp=tracing.wall_ns_of(started))
         try:
             stream = self.engine.generate(prompt_token_ids, params, request_id)
             first = await anext(stream)
         except ValueError as exc:  # bad input: names the field; everyone else keeps going
+            if span is not None:
+                span.set_attribute("dynabatch.rejected", str(exc))
+                span.end()
             yield EngineRejection("invalid_request", str(exc), field_of_message(str(exc)))
             return
         except StopAsyncIteration:
@@ -128,6 +164,8 @@ class EngineServer:
         last_sent = time.monotonic()
         self.latencies.add(self.latencies.ttft, last_sent - started)
         self.metrics.ttft.observe(last_sent - started)
+        if span is not None:
+            span.add_event("first_token")
         final = first
         try:
             yield first
@@ -144,13 +182,16 @@ class EngineServer:
                     yield held
                     held, last_sent = None, now
         finally:  # also when the caller went away (the engine request was aborted)
+            reason = final.finish_reason if final.finished else "abort"
             self.metrics.finished(
                 final.num_prompt_tokens,
                 final.num_output_tokens,
-                final.finish_reason if final.finished else "abort",
+                reason,
                 time.monotonic() - started,
                 final.queue_time_s,
             )
+            if span is not None:
+                _end_engine_span(span, final, reason or "abort", started)
 
     async def stats(self) -> dict[str, Any]:
         """This replica's scheduler stats plus stream bookkeeping (tests, /metrics)."""

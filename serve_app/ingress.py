@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.core.outputs import RequestOutput
 from serve_app import openai_protocol as oai
+from serve_app import tracing
 from serve_app.config import AppArgs
 from serve_app.engine_server import EngineRejection
 from serve_app.telemetry import IngressMetrics, render_engine_metrics
@@ -83,6 +84,7 @@ class _Prepared:
     include_usage: bool
     continuous_usage: bool
     started: float = field(default_factory=time.perf_counter)
+    span: Any = None  # the request's OpenTelemetry span (tracing on)
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -105,6 +107,7 @@ class OpenAIIngress:
         self.metrics = IngressMetrics(self.model_name)
         self.created = oai.now()
         self.controller = controller
+        self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
@@ -174,25 +177,58 @@ class OpenAIIngress:
         self, endpoint: str, body: oai.CompletionRequest | oai.ChatCompletionRequest
     ) -> Response:
         stream = None
+        span = self._start_span(endpoint, body)
         try:
             prepared = self._prepare(endpoint, body)
+            prepared.span = span
+            carrier = tracing.inject(span) if span is not None else None
             stream = self.engine.generate.remote(
-                prepared.request_id, prepared.prompt_token_ids, prepared.params
+                prepared.request_id, prepared.prompt_token_ids, prepared.params, carrier
             )
             first = await self._first(stream)
         except OpenAIError as exc:
             self.metrics.answered(endpoint, exc.status)
+            if span is not None:
+                span.set_attribute("http.response.status_code", exc.status)
+                span.end()
             return exc.response()
         except asyncio.CancelledError:  # the client left before the first token
             if stream is not None:
                 stream.cancel()
+            if span is not None:
+                span.set_attribute("dynabatch.finish_reason", "abort")
+                span.end()
             raise
         if body.stream:
             self.metrics.answered(endpoint, 200)
-            return StreamingResponse(
-                self._sse(prepared, body.model, first, stream), media_type="text/event-stream"
-            )
-        return await self._whole(prepared, body.model, first, stream)
+            events = self._sse(prepared, body.model, first, stream)
+            if span is not None:
+                events = self._closing_span(prepared, events)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            return await self._whole(prepared, body.model, first, stream)
+        finally:
+            if prepared.span is not None:  # cancelled before it completed
+                prepared.span.set_attribute("dynabatch.finish_reason", "abort")
+                prepared.span.end()
+                prepared.span = None
+
+    def _start_span(self, endpoint: str, body: oai.CompletionRequest | oai.ChatCompletionRequest):
+        if self.tracer is None:
+            return None
+        from opentelemetry.trace import SpanKind
+
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        return self.tracer.start_span(
+            f"POST {path}",
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": "POST",
+                "url.path": path,
+                "dynabatch.stream": bool(body.stream),
+                "gen_ai.request.model": body.model,
+            },
+        )
 
     def _prepare(
         self, endpoint: str, body: oai.CompletionRequest | oai.ChatCompletionRequest
@@ -379,6 +415,16 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     def _record(self, prep: _Prepared, last: RequestOutput, ttft: float) -> None:
+        if prep.span is not None:
+            span = prep.span
+            span.set_attribute("dynabatch.request_id", prep.request_id)
+            span.set_attribute("http.response.status_code", 200)
+            span.set_attribute("gen_ai.usage.input_tokens", last.num_prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", last.num_output_tokens)
+            span.set_attribute("dynabatch.finish_reason", last.finish_reason or "abort")
+            span.set_attribute("dynabatch.ttft_s", ttft)
+            span.end()
+            prep.span = None
         self.metrics.completed(
             last.num_prompt_tokens,
             last.num_output_tokens,
@@ -386,3 +432,14 @@ class OpenAIIngress:
             ttft,
             time.perf_counter() - prep.started,
         )
+
+    async def _closing_span(self, prep: _Prepared, events: AsyncIterator[str]):
+        """The SSE events, ending the request's span even when the client leaves early."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            if prep.span is not None:
+                prep.span.set_attribute("dynabatch.finish_reason", "abort")
+                prep.span.end()
+                prep.span = None

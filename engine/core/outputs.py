@@ -70,6 +70,7 @@ class RequestOutput:
     error: str | None = None
     # On the finished delta: seconds from arrival to first scheduled (None if never run).
     queue_time_s: float | None = None
+    num_preemptions: int = 0  # on the finished delta
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
@@ -83,6 +84,7 @@ class RequestOutput:
             num_output_tokens=later.num_output_tokens,
             error=later.error,
             queue_time_s=later.queue_time_s,
+            num_preemptions=later.num_preemptions,
         )
 
 
