@@ -44,6 +44,8 @@ class SimConfig:
     block_size: int = 16
     memory_utilization: float = 0.9
     num_blocks: int | None = None  # overrides the memory-derived block count
+    # Off by default: simulated prompts carry no real tokens (all zeros would all "hit").
+    enable_prefix_caching: bool = False
     cost: CostParams = field(default_factory=CostParams)
     memory_aware: MemoryAwareConfig = field(default_factory=MemoryAwareConfig)
     sla: SlaConfig = field(default_factory=SlaConfig)
@@ -152,7 +154,7 @@ class SimReplica:
             max_model_len=c.max_model_len,
             memory_utilization=c.memory_utilization,
         )
-        kv = KVCacheManager(self.runner.num_kv_blocks(), c.block_size)
+        kv = KVCacheManager(self.runner.num_kv_blocks(), c.block_size, c.enable_prefix_caching)
         sched_config = SchedulerConfig(
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,

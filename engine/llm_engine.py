@@ -58,7 +58,9 @@ class LLMEngine:
         self.runner = runner
         self.eos_token_ids = _eos_token_ids(config.model, tokenizer)
         sched_config = replace(config.scheduler, max_model_len=runner.max_model_len())
-        kv = KVCacheManager(runner.num_kv_blocks(), config.cache.block_size)
+        kv = KVCacheManager(
+            runner.num_kv_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.clock = clock or MonotonicClock()
         self.scheduler = Scheduler(sched_config, kv, self.clock)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)

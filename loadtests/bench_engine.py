@@ -1,6 +1,7 @@
 """Engine throughput on the standard workload: continuous vs static vs HF generate.
 
     python -m loadtests.bench_engine --model small [--json] [--hf-batch-sizes 8,32]
+    python -m loadtests.bench_engine --workload shared-prefix [--json]   # prefix caching on/off
 
 All figures come from the same run on the same machine (it is noisy: compare ratios).
 """
@@ -89,6 +90,83 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
     }
 
 
+def run_shared_prefix(model_dir: str, args, caching: bool, vocab_size: int) -> dict:
+    """`--num-requests` (default 100) requests sharing a `--prefix-len` system prompt, each
+    with a `--suffix-len` unique suffix and `--prefix-output-len` output tokens, all arriving
+    at once. Prefill tokens computed = prompt tokens - prefix-cache hits (no preemption: the
+    cache is sized to hold everything)."""
+    import random
+
+    rng = random.Random(0)
+    system = [rng.randrange(vocab_size) for _ in range(args.prefix_len)]
+    n = args.num_requests or 100
+    prompts = [
+        system + [rng.randrange(vocab_size) for _ in range(args.suffix_len)] for _ in range(n)
+    ]
+    config = EngineConfig(
+        model=model_dir,
+        num_threads=args.threads,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+            enable_prefix_caching=caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.prefix_len + args.suffix_len + args.prefix_output_len,
+        ),
+    )
+    engine = LLMEngine(config)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=args.prefix_output_len, ignore_eos=True)
+        engine.add_request(str(i), prompt, params)
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(n)}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - start
+            tokens[out.request_id].extend(out.new_token_ids)
+    wall = time.perf_counter() - start
+    stats = engine.scheduler.stats()
+    if stats.num_preemptions_total:
+        raise RuntimeError("the shared-prefix bench must not preempt: raise --kv-cache-gb")
+    ttft = sorted(first.values())
+    return {
+        "prefill_tokens": sum(len(p) for p in prompts) - stats.prefix_cache_hits,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "wall_s": wall,
+        "hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        "tokens": tokens,
+    }
+
+
+def shared_prefix_main(model_dir: str, vocab_size: int, args) -> dict:
+    on = run_shared_prefix(model_dir, args, True, vocab_size)
+    off = run_shared_prefix(model_dir, args, False, vocab_size)
+    if on["tokens"] != off["tokens"]:
+        raise RuntimeError("prefix caching changed the greedy outputs")
+    return {
+        "model": args.model,
+        "workload": "shared-prefix",
+        "num_requests": args.num_requests or 100,
+        "prefix_len": args.prefix_len,
+        "suffix_len": args.suffix_len,
+        "prefill_tokens_on": on["prefill_tokens"],
+        "prefill_tokens_off": off["prefill_tokens"],
+        "prefill_reduction": off["prefill_tokens"] / max(on["prefill_tokens"], 1),
+        "ttft_p50_ms_on": on["ttft_p50_ms"],
+        "ttft_p50_ms_off": off["ttft_p50_ms"],
+        "ttft_p50_speedup": off["ttft_p50_ms"] / on["ttft_p50_ms"],
+        "wall_s_on": on["wall_s"],
+        "wall_s_off": off["wall_s"],
+        "hit_rate_on": on["hit_rate"],
+        "outputs_identical": True,
+    }
+
+
 def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int) -> dict:
     """HF generate in static batches with left padding; counts each request's own tokens."""
     from transformers import AutoModelForCausalLM
@@ -136,12 +214,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload")
+    parser.add_argument("--suffix-len", type=int, default=64, help="shared-prefix workload")
+    parser.add_argument("--prefix-output-len", type=int, default=16, help="shared-prefix")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     model_dir = resolve_model(args.model)
     spec = read_spec(model_dir)
+    if args.workload == "shared-prefix":
+        result = shared_prefix_main(model_dir, spec.vocab_size, args)
+        print(
+            json.dumps(result) if args.json else "\n".join(f"{k}  {v}" for k, v in result.items())
+        )
+        return result
     items = load_workload(args.workload, spec.vocab_size, seed=0, limit=args.num_requests)
     peak_before = peak_gemm_flops()
     flops = workload_flops(spec, items)

@@ -234,7 +234,9 @@ def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...])
         config = EngineConfig(
             model=model_dir,
             num_threads=2,
-            cache=CacheConfig(block_size=16, kv_cache_bytes=kv_mb << 20),
+            cache=CacheConfig(
+                block_size=16, kv_cache_bytes=kv_mb << 20, enable_prefix_caching=False
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=start_b, max_num_batched_tokens=1024, max_model_len=1024
             ),

@@ -173,7 +173,8 @@ def calibrate(model_dir: str, num_requests: int, threads: int | None, seed: int 
     engine_config = EngineConfig(
         model=model_dir,
         num_threads=threads,
-        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_bytes),
+        # No prefix caching: the traces' prompts are all alike, and the fit is of compute.
+        cache=CacheConfig(block_size=16, kv_cache_bytes=kv_bytes, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024),
     )
     model = ModelSpec.from_hf_config(model_dir, dtype_bytes=4)

@@ -34,6 +34,9 @@ class EngineArgs(_Strict):
     gpu_memory_fraction: float = Field(
         0.9, gt=0.0, le=1.0, description="Share of GPU memory for weights + KV cache."
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of cached full blocks that share a request's prefix."
+    )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one step's batch.")
     max_num_batched_tokens: int = Field(
         1024, ge=1, description="Most tokens (prefill chunks + decodes) in one step."
@@ -61,6 +64,7 @@ class EngineArgs(_Strict):
                 block_size=self.block_size,
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_fraction=self.gpu_memory_fraction,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

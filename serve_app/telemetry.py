@@ -144,11 +144,19 @@ class _EngineCollector:
                 lambda s: s.metrics.generation_tokens_total,
             ),
             "num_rejected": ("Requests answered 429.", lambda s: s.num_rejected_total),
+            "prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                lambda s: s.scheduler.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": (
+                "Prompt tokens found in the prefix cache.",
+                lambda s: s.scheduler.prefix_cache_hits,
+            ),
         }
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(f"dynabatch:{name}", doc, labels=["model_name", "replica"])
             for labels, stats, _ in rows:
-                if stats.metrics is not None or name in ("num_preemptions", "num_rejected"):
+                if stats.metrics is not None or name not in ("prompt_tokens", "generation_tokens"):
                     family.add_metric(labels, float(value(stats)))
             yield family
         success = CounterMetricFamily(

@@ -21,7 +21,13 @@ def tiny_model() -> str:
     return tiny_model_dir("llama")
 
 
-def build_engine(model: str, block_size: int = 4, num_blocks: int = 300, **scheduler):
+def build_engine(
+    model: str,
+    block_size: int = 4,
+    num_blocks: int = 300,
+    enable_prefix_caching: bool = True,
+    **scheduler,
+):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
     from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
@@ -29,7 +35,11 @@ def build_engine(model: str, block_size: int = 4, num_blocks: int = 300, **sched
     return LLMEngine(
         EngineConfig(
             model=model,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             scheduler=SchedulerConfig(**scheduler),
         )
     )

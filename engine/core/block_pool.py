@@ -1,4 +1,6 @@
-"""A fixed pool of KV cache blocks with reference counts and an O(1) free queue."""
+"""A fixed pool of KV cache blocks with reference counts, an O(1) LRU free queue, and the
+prefix cache: full blocks keyed by a chained hash, kept (and revivable) after they are freed
+until the queue hands them out again."""
 
 from __future__ import annotations
 
@@ -12,13 +14,20 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
+    # Set once the block is full and computed (prefix caching): the chained hash of
+    # (parent's hash, these tokens), the parent's hash, and the tokens, compared on every hit.
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 class BlockPool:
     """Hands out blocks and takes them back.
 
     Free blocks wait in an insertion-ordered queue (least recently freed first), so taking
-    and returning a block are O(1) and the order is deterministic.
+    and returning a block are O(1) and the order is deterministic. A freed block keeps its
+    content and hash: `touch` revives it on a prefix-cache hit; `take` evicts the least
+    recently freed one.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -29,6 +38,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> the block holding it
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,9 +55,37 @@ class BlockPool:
         taken = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:  # evict its cached content
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = block.parent_hash = block.token_ids = None
             block.ref_cnt = 1
             taken.append(block)
         return taken
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """One more reference to each (prefix-cache hits); free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def register(
+        self, block: KVCacheBlock, block_hash: int, parent_hash: int | None, tokens: tuple
+    ) -> None:
+        """Record a full, computed block under its hash (first holder of a hash wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
+            self.cached[block_hash] = block
+
+    def lookup(
+        self, block_hash: int, parent_hash: int | None, tokens: tuple
+    ) -> KVCacheBlock | None:
+        """The cached block with this content, verified by its tokens and parent, or None."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tokens or block.parent_hash != parent_hash:
+            return None
+        return block
 
     def release(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference to each block; a block whose count reaches 0 becomes free.
@@ -70,3 +108,5 @@ class BlockPool:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_free={in_free}"
             )
         assert all(self._free[i] is self.blocks[i] for i in self._free), "foreign block in queue"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"block {block.block_id}: stale cache entry"

@@ -20,6 +20,7 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = 1 << 30
     gpu_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

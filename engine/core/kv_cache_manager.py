@@ -1,4 +1,11 @@
-"""Per-request block tables over a BlockPool."""
+"""Per-request block tables over a BlockPool, with prefix caching.
+
+Prefix caching: once a block is full and its KV computed, it is registered under the chained
+hash of (its parent block's hash, its token ids). A request that starts (or restarts after
+preemption) with nothing computed reuses the longest chain of cached blocks that match its
+tokens (compared, not only hashed) and computes only the rest, at least its last token, whose
+logits it needs. Shared blocks are only read: a request writes only into blocks past its hit.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +24,19 @@ class KVCacheManager:
     leaves everything as it was. A broken invariant is an exception (`check_integrity`).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         # Plain int view of each table, kept in step with _blocks for the runner.
         self._block_ids: dict[str, list[int]] = {}
+        # Chained hashes of each request's registered (full, computed) blocks, in order.
+        self._hashes: dict[str, list[int]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
 
     @property
     def num_blocks(self) -> int:
@@ -58,9 +72,69 @@ class KVCacheManager:
         if new_blocks is None:
             return None
         new_ids = [b.block_id for b in new_blocks]
-        self._blocks.setdefault(rid, []).extend(new_blocks)
-        self._block_ids.setdefault(rid, []).extend(new_ids)
+        if rid not in self._blocks:
+            self._blocks[rid], self._block_ids[rid] = [], []
+            if self.enable_prefix_caching:
+                self._hashes[rid] = []
+        self._blocks[rid].extend(new_blocks)
+        self._block_ids[rid].extend(new_ids)
         return new_ids
+
+    # ------------------------------------------------------------------ prefix caching
+    def match_prefix(self, request: Request) -> list[KVCacheBlock]:
+        """The cached blocks that hold the request's leading tokens (not yet referenced)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, tokens = self.block_size, request.all_token_ids
+        hit: list[KVCacheBlock] = []
+        parent: int | None = None
+        for i in range((request.num_tokens - 1) // bs):  # leave the last token to compute
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            block_hash = hash((parent, chunk))
+            block = self.pool.lookup(block_hash, parent, chunk)
+            if block is None:
+                break
+            hit.append(block)
+            parent = block_hash
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hit) * bs
+        return hit
+
+    def admit(self, request: Request, hit: list[KVCacheBlock], num_new_tokens: int) -> bool:
+        """Start a request's table with its cached blocks plus room for `num_new_tokens` after
+        them. False (and nothing changed) if the pool cannot hold them."""
+        rid = request.request_id
+        assert rid not in self._blocks, f"{rid} already holds blocks"
+        self.pool.touch(hit)
+        need = cdiv(len(hit) * self.block_size + num_new_tokens, self.block_size) - len(hit)
+        new_blocks = self.pool.take(need) if need > 0 else []
+        if new_blocks is None:
+            self.pool.release(hit)
+            return False
+        table = hit + new_blocks
+        self._blocks[rid] = table
+        self._block_ids[rid] = [b.block_id for b in table]
+        if self.enable_prefix_caching:
+            self._hashes[rid] = [b.block_hash for b in hit]  # type: ignore[misc]
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed since the last call."""
+        hashes = self._hashes.get(request.request_id)
+        if hashes is None:
+            return
+        n_full = request.num_computed_tokens // self.block_size
+        if n_full <= len(hashes):
+            return
+        bs, tokens = self.block_size, request.all_token_ids
+        table = self._blocks[request.request_id]
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), n_full):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            block_hash = hash((parent, chunk))
+            self.pool.register(table[i], block_hash, parent, chunk)
+            hashes.append(block_hash)
+            parent = block_hash
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table. NOTE: a live list; read it before the next allocation."""
@@ -70,6 +144,7 @@ class KVCacheManager:
         """Return every block of the request to the pool (no-op if it holds none)."""
         blocks = self._blocks.pop(request_id, None)
         self._block_ids.pop(request_id, None)
+        self._hashes.pop(request_id, None)
         if blocks:
             self.pool.release(blocks)
 

@@ -123,3 +123,6 @@ class SchedulerStats:
     decode_steps_total: int = 0
     decode_step_seconds_total: float = 0.0
     decode_step_seqs_total: int = 0
+    # Prefix caching: prompt tokens looked up at admission, and how many were in the cache.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

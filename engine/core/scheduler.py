@@ -143,9 +143,13 @@ class Scheduler:
         # Admitting right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and self._may_admit():
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache.allocate_slots(request, n) is None:
+            # Waiting requests have nothing computed (new, or preempted and reset).
+            hit = kv.match_prefix(request)
+            num_cached = len(hit) * kv.block_size
+            n = min(request.num_tokens - num_cached, budget)
+            if not kv.admit(request, hit, n):
                 break
+            request.num_computed_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -181,11 +185,15 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         running = RequestStatus.RUNNING
         max_model_len = self.config.max_model_len
+        caching = self.kv_cache.enable_prefix_caching
+        cache_full_blocks = self.kv_cache.cache_full_blocks
         for sched in scheduler_output.scheduled:
             request = requests.get(sched.request_id)
             if request is None or request.status is not running:
                 continue  # ended while the step ran
             request.num_computed_tokens += len(sched.token_ids)
+            if caching:
+                cache_full_blocks(request)
             if not sched.sample:
                 continue
             token = sampled[sched.request_id]
@@ -255,6 +263,8 @@ class Scheduler:
             decode_steps_total=self.decode_steps_total,
             decode_step_seconds_total=self.decode_step_seconds_total,
             decode_step_seqs_total=self.decode_step_seqs_total,
+            prefix_cache_queries=self.kv_cache.prefix_queries,
+            prefix_cache_hits=self.kv_cache.prefix_hits,
         )
 
     def check_integrity(self) -> None:

@@ -19,9 +19,12 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
     batching: str = "continuous",
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
+    """Prefix caching is off by default here: these hand-computed cases count blocks and
+    recompute exactly (tests/engine/test_prefix_caching.py covers it on)."""
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, batching)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
 
 
 def make_request(
