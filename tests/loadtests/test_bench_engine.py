@@ -34,3 +34,34 @@ def test_bench_engine_json_has_the_promised_keys(tiny_model, capsys):
         assert result[key] > 0, key
     assert result["hf_static_best_batch_size"] in (2, 4)
     assert 0 < result["outside_forward_frac"] < 1
+
+
+def test_shared_prefix_bench_reports_caching_on_and_off(tiny_model, capsys):
+    result = bench_engine.main(
+        [
+            "--model",
+            tiny_model,
+            "--workload",
+            "shared-prefix",
+            "--num-requests",
+            "12",
+            "--prefix-len",
+            "96",
+            "--suffix-len",
+            "8",
+            "--prefix-output-len",
+            "4",
+            # A step computes at most 128 tokens, so the prefix is cached after the first
+            # step (requests admitted in the same step as the first cannot hit it).
+            "--max-num-batched-tokens",
+            "128",
+            "--json",
+        ]
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["prefill_tokens_off"] == 12 * 104
+    # Two requests are admitted before the prefix is computed; the other ten reuse 96 tokens.
+    assert result["prefill_tokens_on"] == 2 * 104 + 10 * 8
+    for key in ("ttft_p50_ms_on", "ttft_p50_ms_off", "prefill_reduction", "hit_rate_on"):
+        assert result[key] > 0, key
+    assert result["outputs_identical"] is True
