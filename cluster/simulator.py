@@ -15,7 +15,7 @@ from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_poli
 from cluster.metrics import percentile
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
-from engine.core.config import SchedulerConfig
+from engine.core.config import SchedulerConfig, SchedulingPolicy
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.policy import BatchingPolicy, ExternalLimits
@@ -46,6 +46,8 @@ class SimConfig:
     num_blocks: int | None = None  # overrides the memory-derived block count
     # Off by default: simulated prompts carry no real tokens (all zeros would all "hit").
     enable_prefix_caching: bool = False
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    aging_s: float = 30.0
     cost: CostParams = field(default_factory=CostParams)
     memory_aware: MemoryAwareConfig = field(default_factory=MemoryAwareConfig)
     sla: SlaConfig = field(default_factory=SlaConfig)
@@ -159,6 +161,8 @@ class SimReplica:
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=c.max_model_len,
+            scheduling_policy=c.scheduling_policy,
+            aging_s=c.aging_s,
         )
         self.scheduler = Scheduler(sched_config, kv, self.clock)
         # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.

@@ -47,10 +47,12 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None,
         request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.engine.make_request(request_id, prompt, params)  # ValueError: bad input
+        # ValueError: bad input
+        request = self.engine.make_request(request_id, prompt, params, priority)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._pending_adds.append(request)

@@ -58,8 +58,12 @@ class LLMEngine:
         self.runner = runner
         self.eos_token_ids = _eos_token_ids(config.model, tokenizer)
         sched_config = replace(config.scheduler, max_model_len=runner.max_model_len())
+        swap = config.scheduler.preemption_mode == "swap"
         kv = KVCacheManager(
-            runner.num_kv_blocks(), config.cache.block_size, config.cache.enable_prefix_caching
+            runner.num_kv_blocks(),
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            num_host_blocks=runner.num_host_blocks() if swap else 0,
         )
         self.clock = clock or MonotonicClock()
         self.scheduler = Scheduler(sched_config, kv, self.clock)
@@ -92,7 +96,11 @@ class LLMEngine:
         return spec.vocab_size if spec is not None else len(self.tokenizer)
 
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and tokenize without touching engine state (safe from any thread)."""
         params = params or SamplingParams()
@@ -100,14 +108,18 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt: must not be empty")
-        request = Request(request_id, token_ids, params, self.eos_token_ids)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(request)
         return request
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
-        self.add_prepared(self.make_request(request_id, prompt, params))
+        self.add_prepared(self.make_request(request_id, prompt, params, priority))
 
     def add_prepared(self, request: Request) -> None:
         self.scheduler.add_request(request)

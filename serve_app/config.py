@@ -44,6 +44,22 @@ class EngineArgs(_Strict):
     max_model_len: int = Field(
         2048, ge=2, description="Longest prompt + completion, in tokens, a request may have."
     )
+    scheduling_policy: Literal["fcfs", "priority", "sjf"] = Field(
+        "fcfs",
+        description="Admission and preemption order: fcfs (arrival), priority (the request's "
+        "`priority`, lower first), sjf (prompt + max_tokens, shortest first).",
+    )
+    aging_s: float = Field(
+        30.0, gt=0.0, description="A request waiting this long goes ahead of every other."
+    )
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute",
+        description="When KV blocks run out: recompute (drop a request's KV, recompute it "
+        "later) or swap (copy it to host memory and back; recompute when the host pool is full).",
+    )
+    swap_space_bytes: int = Field(
+        256 << 20, ge=0, description="swap: host memory for swapped-out KV blocks per replica."
+    )
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="'static' is the naive baseline, for A/B runs only."
     )
@@ -65,12 +81,16 @@ class EngineArgs(_Strict):
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_fraction=self.gpu_memory_fraction,
                 enable_prefix_caching=self.enable_prefix_caching,
+                swap_space_bytes=self.swap_space_bytes,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 batching=self.batching,
+                scheduling_policy=self.scheduling_policy,
+                aging_s=self.aging_s,
+                preemption_mode=self.preemption_mode,
             ),
         )
 

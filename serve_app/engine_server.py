@@ -127,6 +127,7 @@ class EngineServer:
         prompt_token_ids: list[int],
         params: SamplingParams,
         trace_context: dict[str, str] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput | EngineRejection]:
         if self.engine.num_streams >= self.capacity:
             self.num_rejected_total += 1
@@ -151,7 +152,7 @@ class EngineServer:
             )
             span.add_event("queued", timestamp=tracing.wall_ns_of(started))
         try:
-            stream = self.engine.generate(prompt_token_ids, params, request_id)
+            stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
             first = await anext(stream)
         except ValueError as exc:  # bad input: names the field; everyone else keeps going
             if span is not None:

@@ -183,7 +183,11 @@ class OpenAIIngress:
             prepared.span = span
             carrier = tracing.inject(span) if span is not None else None
             stream = self.engine.generate.remote(
-                prepared.request_id, prepared.prompt_token_ids, prepared.params, carrier
+                prepared.request_id,
+                prepared.prompt_token_ids,
+                prepared.params,
+                carrier,
+                body.priority,
             )
             first = await self._first(stream)
         except OpenAIError as exc:

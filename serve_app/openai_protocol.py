@@ -34,6 +34,8 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    # vLLM's extension: with the engine's scheduling_policy "priority", lower runs first.
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

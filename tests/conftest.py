@@ -26,6 +26,7 @@ def build_engine(
     block_size: int = 4,
     num_blocks: int = 300,
     enable_prefix_caching: bool = True,
+    num_host_blocks: int | None = None,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
@@ -39,6 +40,7 @@ def build_engine(
                 block_size=block_size,
                 num_blocks=num_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                num_host_blocks=num_host_blocks,
             ),
             scheduler=SchedulerConfig(**scheduler),
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+SchedulingPolicy = Literal["fcfs", "priority", "sjf"]
 BatchingMode = Literal["continuous", "static"]
+PreemptionMode = Literal["recompute", "swap"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,9 @@ class CacheConfig:
     kv_cache_bytes: int | None = 1 << 30
     gpu_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
+    # Host-memory block pool for swap preemption: an explicit block count, else a byte budget.
+    num_host_blocks: int | None = None
+    swap_space_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -59,6 +64,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     batching: BatchingMode = "continuous"
+    # Which waiting request is admitted first, and which running one is preempted first:
+    # fcfs (arrival), priority (the request's priority, lower first), sjf (prompt + max_tokens,
+    # shortest first). A request that has waited aging_s or more goes ahead of all others.
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    aging_s: float = 30.0
+    # recompute: a preempted request drops its KV and recomputes it. swap: its KV is copied
+    # to the host pool and back (recompute when the host pool is full).
+    preemption_mode: PreemptionMode = "recompute"
 
     def __post_init__(self) -> None:
         SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens)  # validates both
@@ -66,6 +79,16 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "sjf"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs, priority or sjf, got {self.scheduling_policy!r}"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
+            )
+        if self.aging_s <= 0:
+            raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
 
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens)

@@ -37,7 +37,7 @@ class EngineCore:
         if self.policy is not None:
             self.scheduler.set_limits(self.policy.limits(self.scheduler.stats()))
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_request_ids:
+        if sched_out.is_empty and not sched_out.finished_request_ids and not sched_out.has_swaps:
             return StepResult()
         started = self.clock.now()
         try:

@@ -25,10 +25,17 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        # Swap preemption: a second pool whose blocks live in host memory.
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
+        self._host: dict[str, list[KVCacheBlock]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         # Plain int view of each table, kept in step with _blocks for the runner.
@@ -136,6 +143,48 @@ class KVCacheManager:
             hashes.append(block_hash)
             parent = block_hash
 
+    # ------------------------------------------------------------------ swap preemption
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Give the request's device blocks back, its KV going to host blocks. Returns the
+        (device, host) copies to make, or None (nothing changed) if the host pool is full."""
+        rid = request.request_id
+        table = self._blocks.get(rid, [])
+        if self.host_pool is None or not table:
+            return None
+        host = self.host_pool.take(len(table))
+        if host is None:
+            return None
+        copies = [(d.block_id, h.block_id) for d, h in zip(table, host, strict=True)]
+        self.free(rid)  # the device blocks keep their prefix-cache content until reused
+        self._host[rid] = host
+        return copies
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Device blocks for a swapped request's KV plus `num_new_tokens`; returns the
+        (host, device) copies to make, or None (nothing changed) if the pool is too full."""
+        rid = request.request_id
+        host = self._host[rid]
+        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        device = self.pool.take(max(need, len(host)))
+        if device is None:
+            return None
+        copies = [(h.block_id, d.block_id) for h, d in zip(host, device[: len(host)], strict=True)]
+        del self._host[rid]
+        assert self.host_pool is not None
+        self.host_pool.release(host)
+        self._blocks[rid] = device
+        self._block_ids[rid] = [b.block_id for b in device]
+        if self.enable_prefix_caching:
+            self._hashes[rid] = []  # re-registered from the start by cache_full_blocks
+        return copies
+
+    def swapped_ids(self) -> set[str]:
+        return set(self._host)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool else 0
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table. NOTE: a live list; read it before the next allocation."""
         return self._block_ids.get(request_id, [])
@@ -147,6 +196,10 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         if blocks:
             self.pool.release(blocks)
+        host = self._host.pop(request_id, None)
+        if host:
+            assert self.host_pool is not None
+            self.host_pool.release(host)
 
     def request_ids(self) -> set[str]:
         """Ids of the requests that hold blocks."""
@@ -167,3 +220,11 @@ class KVCacheManager:
             )
         used = sum(1 for b in self.pool.blocks if b.ref_cnt > 0)
         assert used + self.pool.num_free_blocks == self.pool.num_blocks, "free + used != total"
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            held = [b.block_id for table in self._host.values() for b in table]
+            assert len(held) == len(set(held)), "a host block is in two tables"
+            assert all(b.ref_cnt == 1 for t in self._host.values() for b in t), "host ref count"
+            assert len(held) + self.host_pool.num_free_blocks == self.host_pool.num_blocks
+        else:
+            assert not self._host, "swapped tables without a host pool"

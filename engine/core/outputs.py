@@ -32,10 +32,19 @@ class SchedulerOutput:
     # Requests that ended or were preempted since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Swap preemption, as (source block, destination block) pairs. The runner copies every
+    # swap-out (device -> host) first, then every swap-in (host -> device), then runs the step.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be swaps to carry out)."""
         return not self.scheduled
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 @dataclass
@@ -126,3 +135,6 @@ class SchedulerStats:
     # Prefix caching: prompt tokens looked up at admission, and how many were in the cache.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_swapped: int = 0  # requests whose KV waits in the host pool
+    num_swap_outs_total: int = 0
+    num_free_host_blocks: int = 0

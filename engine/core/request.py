@@ -10,7 +10,8 @@ from engine.core.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # KV dropped: recomputed when it runs again
+    SWAPPED = "swapped"  # KV copied to the host pool: copied back when it runs again
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -48,8 +49,10 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float = 0.0,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority  # scheduling_policy "priority": lower runs first
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
@@ -64,6 +67,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.seq = 0  # the scheduler's arrival sequence number (tie-break of every order)
+        self.resumed_at_step = -1  # the step in which it last came back after a preemption
         self.first_token_time: float | None = None
         stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:

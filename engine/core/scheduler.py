@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import Counter, deque
 from collections.abc import Iterable
 
@@ -20,6 +21,24 @@ from engine.core.request import Request, RequestStatus
 
 # Requests per step (Prometheus buckets of the iteration batch size histogram).
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# A request that came back from preemption is spared as a victim for this many steps
+# (otherwise, being the most recently admitted, it is the next one out: thrash).
+RESUME_GRACE_STEPS = 4
+
+
+def fcfs_key(r: Request) -> tuple:
+    return (r.arrival_time, r.seq)
+
+
+def priority_key(r: Request) -> tuple:
+    return (r.priority, r.arrival_time, r.seq)
+
+
+def sjf_key(r: Request) -> tuple:
+    return (r.num_prompt_tokens + r.sampling_params.max_tokens, r.arrival_time, r.seq)
+
+
+POLICY_KEYS = {"fcfs": fcfs_key, "priority": priority_key, "sjf": sjf_key}
 
 
 class Scheduler:
@@ -58,6 +77,13 @@ class Scheduler:
         self.decode_step_seqs_total = 0
         self._last_step_duration_s: float | None = None
         self.batch_size_histogram = CumulativeHistogram(BATCH_SIZE_BUCKETS)
+        # Policy order, best first: `running` is kept in it (the tail is preempted first) and
+        # `waiting` is sorted by it (with aging) before admission, except under fcfs where
+        # arrival order is kept by construction.
+        self._key = POLICY_KEYS[config.scheduling_policy]
+        self._num_added = 0
+        self._swap_out: list[tuple[int, int]] = []
+        self.num_swap_outs_total = 0
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -67,6 +93,8 @@ class Scheduler:
             raise ValueError(f"request_id {rid!r} is already in use")
         self.check_request(request)
         request.arrival_time = request.arrival_time or self.clock.now()
+        request.seq = self._num_added
+        self._num_added += 1
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -116,6 +144,8 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         num_decodes = 0
         kv = self.kv_cache
@@ -129,7 +159,7 @@ class Scheduler:
             if n > budget:
                 n = budget
             if allocate(request, n) is None and not self._allocate_or_preempt(
-                request, n, preempted
+                request, n, preempted, i
             ):
                 break  # the request itself was preempted; so was every one after it
             scheduled.append(schedule_one(request, n))
@@ -141,20 +171,30 @@ class Scheduler:
         if self.config.batching == "static" and not self.running:
             self._static_admitted = 0
         # Admitting right after a preemption would only thrash the cache.
+        if self.config.scheduling_policy != "fcfs" and len(self.waiting) > 1 and budget > 0:
+            self._order_waiting()
         while not preempted and self.waiting and budget > 0 and self._may_admit():
             request = self.waiting[0]
-            # Waiting requests have nothing computed (new, or preempted and reset).
-            hit = kv.match_prefix(request)
-            num_cached = len(hit) * kv.block_size
-            n = min(request.num_tokens - num_cached, budget)
-            if not kv.admit(request, hit, n):
-                break
-            request.num_computed_tokens = num_cached
+            if request.status == RequestStatus.SWAPPED:  # its KV comes back from the host
+                n = min(request.num_tokens - request.num_computed_tokens, budget)
+                copies = kv.swap_in(request, n)
+                if copies is None:
+                    break
+                swap_in += copies
+            else:  # nothing computed (new, or preempted and reset): try the prefix cache
+                hit = kv.match_prefix(request)
+                num_cached = len(hit) * kv.block_size
+                n = min(request.num_tokens - num_cached, budget)
+                if not kv.admit(request, hit, n):
+                    break
+                request.num_computed_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock.now()
-            self.running.append(request)
+            if request.num_preemptions:
+                request.resumed_at_step = self.num_steps_total
+            insort(self.running, request, key=self._key)
             self._static_admitted += 1
             scheduled.append(self._schedule_one(request, n))
             budget -= n
@@ -172,6 +212,8 @@ class Scheduler:
             num_batched_tokens=self.limits.max_num_batched_tokens - budget,
             finished_request_ids=ended,
             preempted_request_ids=preempted,
+            blocks_to_swap_out=self._swap_out,
+            blocks_to_swap_in=swap_in,
         )
 
     def update_from_output(
@@ -265,6 +307,9 @@ class Scheduler:
             decode_step_seqs_total=self.decode_step_seqs_total,
             prefix_cache_queries=self.kv_cache.prefix_queries,
             prefix_cache_hits=self.kv_cache.prefix_hits,
+            num_swapped=len(self.kv_cache.swapped_ids()),
+            num_swap_outs_total=self.num_swap_outs_total,
+            num_free_host_blocks=self.kv_cache.num_free_host_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -275,9 +320,15 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, r
         for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.status in (
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+                RequestStatus.SWAPPED,
+            ), r
             if r.status == RequestStatus.PREEMPTED:
                 assert r.num_computed_tokens == 0, r
+        swapped = {r.request_id for r in self.waiting if r.status == RequestStatus.SWAPPED}
+        assert self.kv_cache.swapped_ids() == swapped, "host tables out of step with requests"
         # NOTE: only running requests hold blocks; waiting and preempted ones hold none.
         assert self.kv_cache.request_ids() == {r.request_id for r in self.running}, "orphan table"
 
@@ -289,24 +340,59 @@ class Scheduler:
             return self._static_admitted < self.limits.max_num_seqs
         return True
 
-    def _allocate_or_preempt(self, request: Request, n: int, preempted: list[str]) -> bool:
-        """Allocate for `request`, preempting the youngest running requests as needed.
-        Returns False if `request` itself had to be preempted."""
+    def _allocate_or_preempt(
+        self, request: Request, n: int, preempted: list[str], position: int
+    ) -> bool:
+        """Allocate for `request` (at `position` in `running`), preempting requests ranked
+        after it, worst first, as needed. Returns False if `request` itself had to go."""
         while self.kv_cache.allocate_slots(request, n) is None:
-            victim = self.running.pop()
+            victim = self._pick_victim(position)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
 
+    def _pick_victim(self, position: int) -> Request:
+        """The worst-ranked running request not yet scheduled this step (after `position`),
+        sparing those that just came back from a preemption while another will do; the
+        request at `position` itself when none is left."""
+        running = self.running
+        recent = self.num_steps_total - RESUME_GRACE_STEPS
+        for j in range(len(running) - 1, position, -1):
+            if running[j].resumed_at_step < recent:
+                return running.pop(j)
+        return running.pop() if len(running) - 1 > position else running.pop(position)
+
+    def _order_waiting(self) -> None:
+        """Policy order with aging: whoever has waited aging_s or more goes first (oldest
+        first), then the rest by the policy's key."""
+        oldest = self.clock.now() - self.config.aging_s
+        key = self._key
+        self.waiting = deque(
+            sorted(
+                self.waiting,
+                key=lambda r: (
+                    (0, r.arrival_time, r.seq) if r.arrival_time <= oldest else (1, *key(r))
+                ),
+            )
+        )
+
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
+        if self.config.preemption_mode == "swap":
+            copies = self.kv_cache.swap_out(request)
+            if copies is not None:  # KV kept on the host; progress kept
+                self._swap_out += copies
+                request.status = RequestStatus.SWAPPED
+                self.num_swap_outs_total += 1
+                return
+        # Recompute (or swap with a full host pool): drop the KV and start over.
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
 
     def _schedule_one(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens

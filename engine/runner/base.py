@@ -18,8 +18,13 @@ class ModelRunner(Protocol):
         """The longest sequence (prompt + output) the model supports."""
         ...
 
+    def num_host_blocks(self) -> int:
+        """Blocks of the host-memory pool for swap preemption (0: none)."""
+        ...
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the KV of every scheduled token and sample one token for each request whose
-        `sample` flag is set. Drops per-request state of `finished_request_ids`. Raises on a
+        """Carry out the step's swaps (every swap-out, then every swap-in), compute the KV of
+        every scheduled token and sample one token for each request whose `sample` flag is
+        set. Drops per-request state of `finished_request_ids`. Raises on a
         failure of the step; the engine then fails that step's requests."""
         ...

@@ -226,6 +226,9 @@ class CostModelRunner:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def num_host_blocks(self) -> int:
+        return 0  # the simulator preempts by recompute
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         cost = step_cost(scheduler_output, self.model, self.gpu, self.params)
         self.clock.advance(cost.seconds)

@@ -19,6 +19,9 @@ class RecordingRunner:
     def max_model_len(self) -> int:
         return self.inner.max_model_len()
 
+    def num_host_blocks(self) -> int:
+        return self.inner.num_host_blocks()
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.outputs.append(out)
         return self.inner.execute(out)

@@ -53,6 +53,22 @@ class TorchModelRunner:
             )
             for _ in range(spec.num_layers)
         ]
+        # Swap preemption: the same layout in host memory (pinned when the cache is on a GPU).
+        self._num_host_blocks = 0
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if config.scheduler.preemption_mode == "swap":
+            self._num_host_blocks = config.cache.num_host_blocks or (
+                config.cache.swap_space_bytes // self.bytes_per_block()
+            )
+            host_shape = (self._num_host_blocks, *shape[1:])
+            pin = self.device.type == "cuda"
+            self.host_caches = [
+                (
+                    torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+                    torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+                )
+                for _ in range(spec.num_layers)
+            ]
         self.sampler = Sampler(config.seed)
         # Seconds inside the model forward, for the benchmark's overhead figure.
         self.forward_seconds = 0.0
@@ -64,9 +80,31 @@ class TorchModelRunner:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def num_host_blocks(self) -> int:
+        return self._num_host_blocks
+
+    def swap(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
+        """Copy blocks device -> host (`out`), then host -> device (`into`), every layer."""
+        for pairs, to_host in ((out, True), (into, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            for (dev_k, dev_v), (host_k, host_v) in zip(
+                self.kv_caches, self.host_caches, strict=True
+            ):
+                if to_host:
+                    host_k[dst] = dev_k[src.to(self.device)].to("cpu")
+                    host_v[dst] = dev_v[src.to(self.device)].to("cpu")
+                else:
+                    dev_k[dst.to(self.device)] = host_k[src].to(self.device)
+                    dev_v[dst.to(self.device)] = host_v[src].to(self.device)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
+        if scheduler_output.has_swaps:
+            self.swap(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
         # Decodes first: the attention backend batches them as one call.

@@ -195,6 +195,7 @@ def _error(resp: httpx.Response) -> dict:
         ({"prompt": [999999]}, "prompt"),
         ({"stop": [""]}, "stop"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"priority": "urgent"}, "priority"),
     ],
 )
 def test_bad_completion_fields_answer_400(serve_cluster, patch, param):
@@ -204,6 +205,15 @@ def test_bad_completion_fields_answer_400(serve_cluster, patch, param):
     err = _error(resp)
     assert err["param"] == param, err
     assert err["type"] == "invalid_request_error"
+
+
+def test_priority_is_accepted(client, reference_engine):
+    """`priority` (vLLM's extension) reaches the engine; fcfs ignores it, output unchanged."""
+    body = client.completions.create(
+        model="tiny", prompt="rank me", max_tokens=5, temperature=0, extra_body={"priority": -3}
+    )
+    plain = client.completions.create(model="tiny", prompt="rank me", max_tokens=5, temperature=0)
+    assert body.choices[0].text == plain.choices[0].text
 
 
 def test_bad_chat_fields_answer_400(serve_cluster):
