@@ -3,8 +3,11 @@ adapter to Ray Serve's custom autoscaling policy hook.
 
 The rule, per decision (Serve calls it about every 0.1 s; the simulator on its own period):
 - Up: the mean waiting queue per replica is above `target_waiting`, or mean KV usage above
-  `upscale_kv_usage`, without a break for `upscale_delay_s`. The new count is proportional to
-  the queue (n * mean_waiting / target_waiting), at least n + 1.
+  `upscale_kv_usage`, without a break for `upscale_delay_s`. The count needed is the serving
+  replicas scaled by demand over what they run, n_serving * (running + waiting) / running
+  (at least one more than serve now): a replica that runs 128 requests with 30 queued needs a
+  quarter more capacity, not 30 / target_waiting times more. Replicas still starting count:
+  if the target already covers the need, nothing is added while they start.
 - Down: the mean queue is at most `downscale_waiting`, KV usage below the upscale mark, and the
   running requests would fit in n - 1 replicas at `downscale_utilization` of their batch
   limit, without a break for `downscale_delay_s`. One replica at a time.
@@ -96,14 +99,18 @@ class QueueDepthRule:
         if up:
             self.down_since = None
             self.up_since = now if self.up_since is None else self.up_since
-            if now - self.up_since >= c.upscale_delay_s:
+            # What the serving replicas run now, scaled to the demand (running + waiting).
+            needed = len(loads) + 1
+            if running > 0:
+                demand = running + mean_waiting * n
+                needed = max(needed, math.ceil(len(loads) * demand / running))
+            if now - self.up_since >= c.upscale_delay_s and needed > current:
                 self.up_since = None
-                want = max(n + 1, math.ceil(n * mean_waiting / c.target_waiting))
                 self.last_reason = (
                     f"up: waiting/replica {mean_waiting:.1f} > {c.target_waiting} "
-                    f"or kv {mean_kv:.2f} > {c.upscale_kv_usage}"
+                    f"or kv {mean_kv:.2f} > {c.upscale_kv_usage}; {needed} needed"
                 )
-                return c.clamp(want)
+                return c.clamp(needed)
         elif down:
             self.up_since = None
             self.down_since = now if self.down_since is None else self.down_since

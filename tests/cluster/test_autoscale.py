@@ -4,6 +4,7 @@ adapter fed a real ray.serve AutoscalingContext."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -42,15 +43,18 @@ def run(rule: QueueDepthRule, n: int, load_fn, t0: float, t1: float, dt: float =
 def test_upscale_needs_the_condition_for_the_whole_delay():
     rule = QueueDepthRule(CFG)
     for t in range(10):  # 0..9 s above target: not yet
-        assert rule.desired(float(t), 1, loads(1, waiting=10)) == 1
-    # At 10 s: proportional, 1 * 10 / 4 -> 3.
-    assert rule.desired(10.0, 1, loads(1, waiting=10)) == 3
+        assert rule.desired(float(t), 1, loads(1, waiting=40)) == 1
+    # At 10 s: demand over what runs, 1 * (32 + 40) / 32 = 2.25 -> 3.
+    assert rule.desired(10.0, 1, loads(1, waiting=40)) == 3
+    # A queue just over the target asks for one more, not queue / target more.
+    rule = QueueDepthRule(replace(CFG, upscale_delay_s=0))
+    assert rule.desired(0.0, 2, loads(2, waiting=5, running=64)) == 3
     # A break in the condition restarts the delay.
     rule = QueueDepthRule(CFG)
-    assert rule.desired(0.0, 1, loads(1, waiting=10)) == 1
+    assert rule.desired(0.0, 1, loads(1, waiting=40)) == 1
     assert rule.desired(5.0, 1, loads(1, waiting=2)) == 1  # inside the band: reset
-    assert rule.desired(12.0, 1, loads(1, waiting=10)) == 1
-    assert rule.desired(22.0, 1, loads(1, waiting=10)) == 3
+    assert rule.desired(12.0, 1, loads(1, waiting=40)) == 1
+    assert rule.desired(22.0, 1, loads(1, waiting=40)) == 3
 
 
 def test_kv_pressure_alone_scales_up_and_bounds_hold():
@@ -93,8 +97,14 @@ def test_no_flapping_under_noisy_constant_load():
 
 def test_burst_then_quiet_goes_up_then_back_down_without_oscillating():
     def load_at(t: float):
-        busy = 100.0 <= t < 400.0
-        return lambda n: loads(n, (40.0 if busy else 0.0) / n, (120.0 if busy else 10.0) / n)
+        """Demand of 160 requests in the burst, 10 outside; each replica runs up to 64."""
+        demand = 160.0 if 100.0 <= t < 400.0 else 10.0
+
+        def per_replica(n: int) -> list[ReplicaLoad]:
+            running = min(demand, 64.0 * n)
+            return loads(n, (demand - running) / n, running / n)
+
+        return per_replica
 
     rule, n, counts = QueueDepthRule(CFG), 1, []
     for t in range(0, 800):
@@ -104,6 +114,7 @@ def test_burst_then_quiet_goes_up_then_back_down_without_oscillating():
     changes = sum(1 for a, b in zip(counts, counts[1:], strict=False) if a != b)
     ups = sum(1 for a, b in zip(counts, counts[1:], strict=False) if b > a)
     assert ups <= 2  # proportional up-scaling reaches the need in one or two moves
+    assert max(counts) == 3  # 160 / 64 -> 3, no overshoot to max_replicas
     assert changes <= ups + 6  # then one-at-a-time downs, never up again in between
 
 
@@ -151,7 +162,7 @@ def test_serve_adapter_reads_aggregated_metrics_from_a_real_context():
         )
 
     desired, state = policy(ctx(waiting=12.0, now=100.0))
-    assert desired == 6  # 2 * 12 / 4
+    assert desired == 5  # 2 * (16 running + 24 waiting) / 16
     assert state["queue_depth_rule"]["last_reason"].startswith("up:")
     desired, _ = policy(ctx(waiting=2.0, now=101.0))  # inside the band
     assert desired == 2
