@@ -121,8 +121,8 @@ class ClusterControl:
             assert window is not None
             weight = max(entry.decision.limits.max_num_seqs / top, MIN_ROUTING_WEIGHT)
             reason = (
-                f"decode step {window.mean_step_s * 1e3:.1f} ms over the "
-                f"{sla.config.target_s * 1e3:.1f} ms target"
+                f"decode step {window.mean_step_s * 1e3:.3g} ms over the "
+                f"{sla.config.target_s * 1e3:.3g} ms target"
             )
             entry.decision = ControlDecision(entry.decision.limits, True, weight, reason)
 

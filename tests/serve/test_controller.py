@@ -263,3 +263,37 @@ def test_killing_the_controller_fails_no_request_and_control_resumes(serve_clust
 def _view_or_none(base: str) -> dict | None:
     r = httpx.get(f"{base}/v1/cluster", timeout=10)
     return r.json() if r.status_code == 200 else None
+
+
+def test_replica_over_the_sla_target_is_throttled_live(serve_cluster):
+    """An SLA target no step can meet: the controller marks the replica throttled, says why,
+    and the engine's batch limit comes down from its configured 16 (the engine applies it)."""
+    from ray import serve
+
+    from serve_app import build_app
+
+    args = app_args(
+        serve_cluster.model,
+        engine={"kv_cache_bytes": 8 << 20, "max_num_seqs": 16, "max_model_len": 512},
+        batching={"policy": "sla", "sla_target_ms": 0.01, "sla_eps_ms": 0.001},
+        controller={"report_interval_s": 0.25},
+        engine_replicas={"num_replicas": 1, "num_cpus": 0.25},
+    )
+    serve.run(build_app(args), name="slow", route_prefix="/slow")
+    base = f"{serve_cluster.base_url}/slow"
+    try:
+        with Load(base, burst=12, max_tokens=64) as load:
+            row = wait_for(
+                lambda: next((r for r in cluster_view(base)["replicas"] if r["throttled"]), None),
+                60,
+                "the replica to be throttled",
+            )
+            wait_for(lambda: load.done, 120, "the load to finish", period=0.5)
+        assert "over the 0.01 ms target" in row["reason"]
+        assert row["limits"]["max_num_seqs"] < 16
+        handle = serve.get_deployment_handle("EngineServer", app_name="slow")
+        stats = handle.stats.remote().result()
+        assert stats["decision"]["limits"]["max_num_seqs"] < 16
+        assert load.codes == [200] * 12
+    finally:
+        serve.delete("slow")
