@@ -10,7 +10,6 @@ its shape on any model and GPU.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +20,7 @@ from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
 from cluster.simulator import SimConfig, Slo, capacity
 from cluster.workload import Burst, diurnal_rate, make_diurnal_workload, make_workload
 from engine.runner.cost_model import GPUS, MODELS
+from loadtests.plotting import pyplot
 
 # (name, autoscale config or None for a fixed fleet, initial replicas)
 SETTINGS: list[tuple[str, AutoscaleConfig | None, int]] = [
@@ -128,13 +128,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             f"| {r['scale_downs']} |"
         )
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG plots", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, points) in enumerate(result["series"].items()):

@@ -28,6 +28,7 @@ from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig
 from cluster.simulator import SimConfig, Simulator, Slo, capacity
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.runner.cost_model import GPUS, MODELS
+from loadtests.plotting import pyplot
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             f"| {g['best_static_capacity_max_num_seqs']} | {100 * g['capacity_gain']:+.1f}% |"
         )
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG plots", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     for name in result["per_setting"]:
         rows = [r for r in result["rows"] if r["setting"] == name]

@@ -38,6 +38,7 @@ from typing import Any
 
 from cluster.metrics import percentile
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, LengthDist
+from loadtests.plotting import pyplot
 
 KNEE_SHARE = 0.9
 
@@ -340,13 +341,8 @@ def _ab_table(result: dict[str, Any]) -> list[str]:
 
 
 def _plots(result: dict[str, Any], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG plots", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (name, v) in enumerate(result["variants"].items()):

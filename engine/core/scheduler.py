@@ -229,12 +229,15 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         caching = self.kv_cache.enable_prefix_caching
         cache_full_blocks = self.kv_cache.cache_full_blocks
+        block_size = self.kv_cache.block_size
         for sched in scheduler_output.scheduled:
             request = requests.get(sched.request_id)
             if request is None or request.status is not running:
                 continue  # ended while the step ran
-            request.num_computed_tokens += len(sched.token_ids)
-            if caching:
+            n_new = len(sched.token_ids)
+            request.num_computed_tokens += n_new
+            # A block filled up this step iff the count crossed a block boundary.
+            if caching and request.num_computed_tokens % block_size < n_new:
                 cache_full_blocks(request)
             if not sched.sample:
                 continue
