@@ -20,6 +20,7 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import DecoderSpec, read_spec
+from loadtests.cpu_accounting import StealMeter
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
 
@@ -72,11 +73,12 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
         params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
         engine.add_request(it.request_id, it.prompt_token_ids, params)
     produced = 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            produced += len(out.new_token_ids)
-    wall = time.perf_counter() - start
+    with StealMeter() as steal:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                produced += len(out.new_token_ids)
+        wall = time.perf_counter() - start
     expected = sum(it.max_tokens for it in items)
     if produced != expected:
         raise RuntimeError(f"{batching}: produced {produced} tokens, expected {expected}")
@@ -84,6 +86,7 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
     return {
         "tok_s": produced / wall,
         "wall_s": wall,
+        "steal_frac": steal.fraction,
         "outside_forward_frac": 1.0 - engine.runner.forward_seconds / wall,
         "steps": engine.scheduler.num_steps_total,
         "preemptions": engine.scheduler.num_preemptions_total,
@@ -174,28 +177,35 @@ def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int) -> dic
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = model.generation_config.pad_token_id or 0
     produced = 0
-    start = time.perf_counter()
-    for b in range(0, len(items), batch_size):
-        batch = items[b : b + batch_size]
-        width = max(len(it.prompt_token_ids) for it in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, it in enumerate(batch):
-            n = len(it.prompt_token_ids)
-            ids[i, width - n :] = torch.tensor(it.prompt_token_ids)
-            mask[i, width - n :] = 1
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=max(it.max_tokens for it in batch),
-                eos_token_id=None,
-                pad_token_id=pad,
-            )
-        produced += sum(it.max_tokens for it in batch)
-    wall = time.perf_counter() - start
-    return {"tok_s": produced / wall, "wall_s": wall}
+    with StealMeter() as steal:
+        start = time.perf_counter()
+        for b in range(0, len(items), batch_size):
+            batch = items[b : b + batch_size]
+            width = max(len(it.prompt_token_ids) for it in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, it in enumerate(batch):
+                n = len(it.prompt_token_ids)
+                ids[i, width - n :] = torch.tensor(it.prompt_token_ids)
+                mask[i, width - n :] = 1
+            with torch.no_grad():
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=max(it.max_tokens for it in batch),
+                    eos_token_id=None,
+                    pad_token_id=pad,
+                )
+            produced += sum(it.max_tokens for it in batch)
+        wall = time.perf_counter() - start
+    return {"tok_s": produced / wall, "wall_s": wall, "steal_frac": steal.fraction}
+
+
+def _steal_factor(ours: dict, baseline: dict) -> float:
+    """Turns a ratio of tokens/s into a ratio of tokens per CPU second the guest really got:
+    the hypervisor stole `steal_frac` of the machine during each run, and not equally."""
+    return (1.0 - baseline["steal_frac"]) / max(1e-9, 1.0 - ours["steal_frac"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -249,21 +259,32 @@ def main(argv: list[str] | None = None) -> dict:
         cont = run_engine(model_dir, items, "continuous", args)
         r["continuous_tok_s"] = cont["tok_s"]
         r["continuous_wall_s"] = cont["wall_s"]
+        r["continuous_steal_frac"] = cont["steal_frac"]
         r["outside_forward_frac"] = cont["outside_forward_frac"]
         r["preemptions"] = cont["preemptions"]
         r["peak_gemm_gflop_s"] = max(peak_before, peak_gemm_flops()) / 1e9
         r["roofline_frac"] = flops / cont["wall_s"] / (r["peak_gemm_gflop_s"] * 1e9)
         if not args.skip_static:
-            r["static_tok_s"] = run_engine(model_dir, items, "static", static_args)["tok_s"]
+            static = run_engine(model_dir, items, "static", static_args)
+            r["static_tok_s"] = static["tok_s"]
+            r["static_steal_frac"] = static["steal_frac"]
             r["speedup_vs_static"] = r["continuous_tok_s"] / r["static_tok_s"]
+            r["speedup_vs_static_steal_adjusted"] = r["speedup_vs_static"] * _steal_factor(
+                cont, static
+            )
         if not args.skip_hf:
-            hf = {bs: run_hf_static(model_dir, items, bs)["tok_s"] for bs in hf_sizes}
+            hf_runs = {bs: run_hf_static(model_dir, items, bs) for bs in hf_sizes}
+            hf = {bs: run["tok_s"] for bs, run in hf_runs.items()}
             for bs, tok_s in hf.items():
                 r[f"hf_static_bs{bs}_tok_s"] = tok_s
             best = max(hf, key=hf.get)
             r["hf_static_tok_s"] = hf[best]
             r["hf_static_best_batch_size"] = best
+            r["hf_static_steal_frac"] = hf_runs[best]["steal_frac"]
             r["speedup_vs_hf_static"] = r["continuous_tok_s"] / hf[best]
+            r["speedup_vs_hf_static_steal_adjusted"] = r["speedup_vs_hf_static"] * _steal_factor(
+                cont, hf_runs[best]
+            )
         rounds.append(r)
     # Each figure is the median over rounds (ratios: the median of per-round ratios).
     for key in rounds[0]:

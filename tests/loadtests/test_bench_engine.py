@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 from loadtests import bench_engine
 from loadtests.workload import load_workload
@@ -34,6 +36,10 @@ def test_bench_engine_json_has_the_promised_keys(tiny_model, capsys):
         assert result[key] > 0, key
     assert result["hf_static_best_batch_size"] in (2, 4)
     assert 0 < result["outside_forward_frac"] < 1
+    for side in ("continuous", "static", "hf_static"):
+        assert 0 <= result[f"{side}_steal_frac"] < 1, side
+    assert result["speedup_vs_hf_static_steal_adjusted"] > 0
+    assert result["speedup_vs_static_steal_adjusted"] > 0
 
 
 def test_shared_prefix_bench_reports_caching_on_and_off(tiny_model, capsys):
@@ -65,3 +71,18 @@ def test_shared_prefix_bench_reports_caching_on_and_off(tiny_model, capsys):
     for key in ("ttft_p50_ms_on", "ttft_p50_ms_off", "prefill_reduction", "hit_rate_on"):
         assert result[key] > 0, key
     assert result["outputs_identical"] is True
+
+
+def test_cpu_accounting_sees_this_process_and_the_machine():
+    from loadtests import cpu_accounting
+
+    before, machine = cpu_accounting.snapshot(), cpu_accounting.machine_times()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # burn CPU in this process
+        pass
+    used = cpu_accounting.cpu_by_process(before)
+    mine = cpu_accounting.snapshot()[os.getpid()][0]
+    assert used[mine] >= 0.2, used
+    after = cpu_accounting.machine_times()
+    assert sum(after.values()) > sum(machine.values())
+    assert 0.0 <= cpu_accounting.steal_fraction(machine, after) < 1.0

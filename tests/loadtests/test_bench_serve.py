@@ -39,3 +39,12 @@ def test_bench_serve_json_has_the_promised_keys(tiny_model):
         assert result[side]["output_tokens"] == result["inprocess"]["output_tokens"]
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
             assert result[side][key] > 0, (side, key)
+        assert 0 <= result[side]["steal_frac"] < 1
+        assert result[side]["tok_s_steal_adjusted"] >= result[side]["tok_s"]
+    # Direct ingress by default: the URL is the ingress replica's own port, not the proxy's,
+    # and the CPU accounting sees the engine and ingress replicas working for the HTTP side.
+    assert result["url"].startswith("http://127.0.0.1:")
+    port = int(result["url"].split(":")[2].split("/")[0])
+    assert 30000 <= port <= 31000, result["url"]
+    cpu = result["http_cpu_ms_per_token"]
+    assert cpu["ray::EngineServer"] > 0 and cpu["ray::OpenAIIngress"] > 0, cpu
