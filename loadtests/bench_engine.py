@@ -20,7 +20,7 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import DecoderSpec, read_spec
-from loadtests.cpu_accounting import StealMeter
+from loadtests.cpu_accounting import StealMeter, steal_adjusted
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
 
@@ -205,7 +205,7 @@ def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int) -> dic
 def _steal_factor(ours: dict, baseline: dict) -> float:
     """Turns a ratio of tokens/s into a ratio of tokens per CPU second the guest really got:
     the hypervisor stole `steal_frac` of the machine during each run, and not equally."""
-    return (1.0 - baseline["steal_frac"]) / max(1e-9, 1.0 - ours["steal_frac"])
+    return steal_adjusted(1.0, ours["steal_frac"]) / steal_adjusted(1.0, baseline["steal_frac"])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -78,7 +78,9 @@ class RunResult:
             "steal_frac": self.steal_frac,
             # Throughput per CPU second the guest actually got: what comparisons across rounds
             # on a shared VM can lean on.
-            "tok_s_steal_adjusted": tokens / self.wall_s / max(1e-9, 1.0 - self.steal_frac),
+            "tok_s_steal_adjusted": cpu_accounting.steal_adjusted(
+                tokens / self.wall_s, self.steal_frac
+            ),
         }
 
 

@@ -30,6 +30,11 @@ def steal_fraction(before: dict[str, float], after: dict[str, float]) -> float:
     return (after["steal"] - before["steal"]) / total if total > 0 else 0.0
 
 
+def steal_adjusted(rate: float, steal_frac: float) -> float:
+    """A rate per wall second turned into a rate per CPU second the guest actually got."""
+    return rate / max(1e-9, 1.0 - steal_frac)
+
+
 class StealMeter:
     """`with StealMeter() as m: ...` then `m.fraction`: the steal share over the block."""
 
