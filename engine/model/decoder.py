@@ -6,13 +6,16 @@ attention goes through the AttentionBackend interface.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.model.fused import DecoderOps
 from engine.model.loader import DecoderSpec
-from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +58,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rotate: Callable[[torch.Tensor], torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         metadata: object,
@@ -69,7 +72,7 @@ class Attention(nn.Module):
                 [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1
             )
         # q and k rotated together: one pass over both instead of two.
-        qk = apply_rope(qk, *cos_sin)
+        qk = rotate(qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -82,10 +85,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # In place: the activations of a prefill chunk are tens of MB.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+    def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -98,9 +99,10 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: DecoderSpec, max_positions: int) -> None:
+    def __init__(self, spec: DecoderSpec, max_positions: int, native_ops: bool = True) -> None:
         super().__init__()
         self.spec = spec
+        self.ops = DecoderOps(native_ops)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -122,12 +124,19 @@ class Decoder(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Return float32 logits [len(logits_indices), vocab] for the tokens to sample from."""
-        h = self.embed_tokens(input_ids)
-        cos_sin = self.rope.cos_sin(positions, h.dtype)  # once per step, shared by all layers
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            a = layer.self_attn(layer.input_layernorm(h), cos_sin, kv_cache, backend, metadata)
-            h = h + a  # a fresh tensor: h may be the embedding output
-            h += layer.mlp(layer.post_attention_layernorm(h))
+        ops = self.ops
+        h = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        rotate = ops.rotary(self.rope, positions, h.dtype)  # tables once per step
+        x = ops.add_rms_norm(h, None, self.layers[0].input_layernorm)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            a = layer.self_attn(x, rotate, kv_cache, backend, metadata)
+            x = ops.add_rms_norm(h, a, layer.post_attention_layernorm)
+            m = layer.mlp(x, ops)
+            if i < last:  # the residual add fused with the next layer's input norm
+                x = ops.add_rms_norm(h, m, self.layers[i + 1].input_layernorm)
+            else:
+                h += m
         # Only the rows we sample from need the final norm and the (large) vocab projection.
         h = self.norm(h[logits_indices])
         return self.lm_head(h).float()

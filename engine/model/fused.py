@@ -1,0 +1,116 @@
+"""The decoder's elementwise steps: fused native kernels on CPU float32, torch elsewhere.
+
+On CPU a prefill chunk's activations are tens of MB and each torch op is one more pass over
+them; `csrc/fused_ops.c` does residual add + RMSNorm, SiLU * up and RoPE in one pass each
+(about 5% of a step, measured in the README). Other devices and dtypes keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.native_build import load_native
+
+_SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
+_MAX_HEAD_DIM = 512  # the rope kernel's per-row scratch
+
+_i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def _load() -> ctypes.CDLL | None:
+    # NOTE: no FMA contraction, so each product rounds as torch's separate mul/add do.
+    lib = load_native(_SOURCE, ("-ffp-contract=off",))
+    if lib is not None:
+        lib.add_rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _float, _int]
+        lib.silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, _int]
+        lib.rope_inplace.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _int]
+        for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_inplace):
+            fn.restype = None
+    return lib
+
+
+class DecoderOps:
+    """`native=False` (or no compiler) always takes the torch path."""
+
+    def __init__(self, native: bool = True) -> None:
+        self._lib = _load() if native else None
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return self._lib is not None and x.device.type == "cpu" and x.dtype == torch.float32
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
+    ) -> torch.Tensor:
+        """`h += delta` in place (skipped for None), then return `norm(h)` as a new tensor."""
+        if not (self.applies(h) and h.is_contiguous()):
+            if delta is not None:
+                h += delta
+            return norm(h)
+        if delta is not None:
+            delta = delta.contiguous()
+        out = torch.empty_like(h)
+        t, hidden = h.shape
+        self._lib.add_rms_norm(
+            h.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            norm.weight.data_ptr(),
+            out.data_ptr(),
+            t,
+            hidden,
+            norm.eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+        half = gate_up.shape[-1] // 2
+        if not (self.applies(gate_up) and gate_up.is_contiguous()):
+            gate, up = gate_up.split(half, dim=-1)
+            # In place: the activations of a prefill chunk are tens of MB.
+            return F.silu(gate, inplace=True).mul_(up)
+        out = gate_up.new_empty(gate_up.shape[0], half)
+        self._lib.silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], half, torch.get_num_threads()
+        )
+        return out
+
+    def rotary(
+        self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function that rotates [T, heads, D] query/key rows for this step's positions
+        (tables looked up once per step, shared by every layer)."""
+        probe = torch.empty(0, dtype=dtype, device=positions.device)
+        if (
+            not self.applies(probe)
+            or rope.cos.dtype != torch.float32
+            or rope.cos.shape[-1] > _MAX_HEAD_DIM
+        ):
+            cos, sin = rope.cos_sin(positions, dtype)
+            return lambda x: apply_rope(x, cos, sin)
+        positions = positions.to(torch.int64).contiguous()
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            t, heads, d = x.shape
+            if x.stride(2) != 1 or x.stride(1) != d:
+                return apply_rope(x, *rope.cos_sin(positions, dtype))
+            self._lib.rope_inplace(
+                x.data_ptr(),
+                x.stride(0),
+                positions.data_ptr(),
+                rope.cos.data_ptr(),
+                rope.signed_sin.data_ptr(),
+                t,
+                heads,
+                d,
+                torch.get_num_threads(),
+            )
+            return x
+
+        return rotate

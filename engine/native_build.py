@@ -1,0 +1,65 @@
+"""Build a C source into a shared library on first use and load it with ctypes.
+
+No torch headers and no build step at install time: a plain C file becomes a shared library
+in `build/native/` (keyed by the source's hash) in about a second. `load_native(path)` returns
+None where no compiler is available or `DYNABATCH_NATIVE_KERNELS=0`; every caller then keeps
+its pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "native"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
+
+
+def _build(source_path: Path, flags: list[str]) -> Path:
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = BUILD_DIR / f"{source_path.stem}-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found")
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=BUILD_DIR, suffix=".so", delete=False) as tmp:
+        tmp_path = Path(tmp.name)
+    try:
+        subprocess.run(
+            [compiler, *flags, str(source_path), "-o", str(tmp_path), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        tmp_path.replace(target)  # atomic: concurrent builders never see a half-written file
+    finally:
+        tmp_path.unlink(missing_ok=True)
+    return target
+
+
+def load_native(source_path: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library of `source_path` (built once per process and source), or None.
+    `extra_flags` come after the defaults, so they can override them."""
+    key = (source_path, extra_flags)
+    if key in _loaded:
+        return _loaded[key]
+    lib = None
+    if os.environ.get("DYNABATCH_NATIVE_KERNELS", "1") != "0":
+        try:
+            lib = ctypes.CDLL(str(_build(source_path, [*_FLAGS, *extra_flags])))
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+            logger.warning("native kernels %s unavailable (%s); using torch", source_path.name, exc)
+    _loaded[key] = lib
+    return lib

@@ -1,0 +1,58 @@
+"""The fused native decoder ops compute what the torch path computes (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.decoder import RMSNorm
+from engine.model.fused import DecoderOps
+from engine.model.rope import RotaryEmbedding
+
+NATIVE = DecoderOps(native=True)
+TORCH = DecoderOps(native=False)
+pytestmark = pytest.mark.skipif(
+    not NATIVE.applies(torch.empty(0)), reason="no C compiler: native ops unavailable"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_updates_the_residual_and_normalizes(rows: int, with_delta: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.rand(96, generator=gen) + 0.5
+    h = torch.randn(rows, 96, generator=gen)
+    delta = torch.randn(rows, 96, generator=gen) if with_delta else None
+    h_native, h_torch = h.clone(), h.clone()
+    out_native = NATIVE.add_rms_norm(h_native, delta, norm)
+    with torch.inference_mode():
+        out_torch = TORCH.add_rms_norm(h_torch, delta, norm)
+    torch.testing.assert_close(h_native, h_torch, rtol=0, atol=0)  # the add is exact
+    torch.testing.assert_close(out_native, out_torch, rtol=1e-6, atol=1e-6)
+    if not with_delta:
+        torch.testing.assert_close(h_native, h)
+
+
+def test_silu_mul_matches_torch() -> None:
+    gate_up = torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(1)) * 4
+    expected = TORCH.silu_mul(gate_up.clone())
+    got = NATIVE.silu_mul(gate_up)
+    assert got.shape == (33, 80)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_matches_torch_on_a_strided_qk_view(head_dim: int) -> None:
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, t = 4, 2, 9
+    # As the decoder holds it: q and k rows inside the fused qkv output, v after them.
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.tensor([0, 1, 2, 100, 101, 7, 511, 3, 4])
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(t, -1, head_dim)
+    expected = TORCH.rotary(rope, positions, torch.float32)(qk.clone())
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    got = NATIVE.rotary(rope, positions, torch.float32)(qk)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same products, same rounding
+    torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], v_before)
