@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
 from cluster.batching import DecodeWindow, make_policy
 from cluster.control import ClusterControl, ReplicaStats, weighted_load
-from cluster.simulator import RequestRecord, SimConfig, SimReplica, summarize_records
+from cluster.simulator import (
+    RequestRecord,
+    SimConfig,
+    SimReplica,
+    gc_paused,
+    summarize_records,
+)
 from cluster.workload import SimRequest
 from engine.core.outputs import SchedulerStats
 
@@ -108,6 +114,10 @@ class ClusterSimulator:
         self.config = config
 
     def run(self, trace: list[SimRequest], max_sim_s: float = math.inf) -> ClusterSimResult:
+        with gc_paused():
+            return self._run(trace, max_sim_s)
+
+    def _run(self, trace: list[SimRequest], max_sim_s: float) -> ClusterSimResult:
         c = self.config
         records: dict[str, RequestRecord] = {}
         controlled = c.controller_interval_s is not None

@@ -185,6 +185,11 @@ class KVCacheManager:
     def num_free_host_blocks(self) -> int:
         return self.host_pool.num_free_blocks if self.host_pool else 0
 
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block table by id. NOTE: live objects; read, never modify."""
+        return self._block_ids
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table. NOTE: a live list; read it before the next allocation."""
         return self._block_ids.get(request_id, [])

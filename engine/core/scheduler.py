@@ -152,17 +152,24 @@ class Scheduler:
         allocate = kv.allocate_slots
         schedule_one = self._schedule_one
         running = self.running
+        table_of = kv.block_tables.get
+        block_size = kv.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            n = request.num_tokens - computed
             if n > budget:
                 n = budget
-            if allocate(request, n) is None and not self._allocate_or_preempt(
-                request, n, preempted, i
-            ):
-                break  # the request itself was preempted; so was every one after it
-            scheduled.append(schedule_one(request, n))
+            table = table_of(request.request_id)
+            # Most decode steps fit in the blocks held: skip the allocator (hot path).
+            if table is None or len(table) * block_size < computed + n:
+                if allocate(request, n) is None and not self._allocate_or_preempt(
+                    request, n, preempted, i
+                ):
+                    break  # the request itself was preempted; so was every one after it
+                table = table_of(request.request_id)
+            scheduled.append(schedule_one(request, n, table))
             if n == 1 and request.num_output_tokens:
                 num_decodes += 1
             budget -= n
@@ -196,7 +203,7 @@ class Scheduler:
                 request.resumed_at_step = self.num_steps_total
             insort(self.running, request, key=self._key)
             self._static_admitted += 1
-            scheduled.append(self._schedule_one(request, n))
+            scheduled.append(self._schedule_one(request, n, kv.block_ids(request.request_id)))
             budget -= n
 
         ended, self._ended_since_last_step = self._ended_since_last_step, []
@@ -397,7 +404,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
 
-    def _schedule_one(self, request: Request, n: int) -> ScheduledRequest:
+    def _schedule_one(self, request: Request, n: int, block_ids: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + n == request.num_tokens
         params = request.sampling_params
@@ -408,7 +415,7 @@ class Scheduler:
             request.request_id,
             request.all_token_ids[start : start + n],
             start,
-            self.kv_cache.block_ids(request.request_id),
+            block_ids,
             sample,
             params,
             request.num_output_tokens,
