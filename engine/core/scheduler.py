@@ -237,6 +237,7 @@ class Scheduler:
         caching = self.kv_cache.enable_prefix_caching
         cache_full_blocks = self.kv_cache.cache_full_blocks
         block_size = self.kv_cache.block_size
+        emit = outputs.append
         for sched in scheduler_output.scheduled:
             request = requests.get(sched.request_id)
             if request is None or request.status is not running:
@@ -255,15 +256,13 @@ class Scheduler:
             request.num_output_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            params = request.sampling_params
-            n_out = request.num_output_tokens
             # The common case, inlined: not a stop token and below both length limits.
             if (
-                token not in request.stop_token_ids
-                and n_out < params.max_tokens
+                request.num_output_tokens < request.sampling_params.max_tokens
                 and request.num_tokens < max_model_len
+                and token not in request.stop_token_ids
             ):
-                outputs.append(EngineCoreOutput(request.request_id, [token], None))
+                emit(EngineCoreOutput(request.request_id, [token], None))
                 continue
             status = self._stop_status(request, token)
             if status is not None:

@@ -155,13 +155,15 @@ def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: Cost
     attn_flops_per_ctx = 4 * model.num_layers * q_dim
     kv_tok = model.kv_bytes_per_token
     sampled = 0
-    attended = 0.0  # sum over scheduled tokens of the context each attends to
-    kv_read = 0.0
+    attended = 0  # sum over scheduled tokens of the context each attends to
+    context = 0  # sum over requests of their context, read once per request per step
+    # Integer sums (exact, and the cheapest Python loop: this runs per request per step).
     for s in out.scheduled:
         n, start = len(s.token_ids), s.num_computed_tokens
-        attended += n * start + n * (n + 1) / 2
-        kv_read += (start + n) * kv_tok  # the context, read once per request per step
+        attended += n * start + n * (n + 1) // 2
+        context += start + n
         sampled += s.sample
+    kv_read = context * kv_tok
     flops = (
         2.0 * model.num_layers * model.layer_params * tokens
         + 2.0 * model.hidden_size * model.vocab_size * sampled
