@@ -2,7 +2,7 @@
 
     python -m loadtests.bench_sim paper [--out reports/paper] [--json] [--quick]
     python -m loadtests.bench_sim speed          # one simulated hour at 20 requests/s
-    python -m loadtests.bench_sim cpu            # static vs dynamic on the real CPU engine
+    python -m loadtests.bench_sim cpu            # the same on the real CPU engine (same report)
     python -m loadtests.bench_sim autoscale [--out reports/autoscale] [--duration 1800]
         [--startup-delay 60]                     # see loadtests/bench_autoscale.py
 
@@ -162,6 +162,8 @@ def write_report(result: dict[str, Any], out: Path) -> None:
             f"| {g['best_static_capacity_max_num_seqs']} | {100 * g['capacity_gain']:+.1f}% |"
         )
     (out / "report.md").write_text("\n".join(lines) + "\n")
+    for cpu_json in sorted(out.glob("cpu-*.json")):  # the real-engine comparison, if run
+        write_cpu_section(json.loads(cpu_json.read_text()), out)
     plt = pyplot()
     if plt is None:
         return
@@ -207,6 +209,37 @@ def write_report(result: dict[str, Any], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / f"capacity_{slug}.png", dpi=100)
         plt.close(fig)
+
+
+CPU_HEADING = "## The same comparison on the real CPU engine"
+
+
+def write_cpu_section(result: dict[str, Any], out: Path) -> None:
+    """Save `bench_sim cpu`'s result as out/cpu-<model>.json and put its table in
+    out/report.md (replacing an earlier one), below the simulator's tables."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"cpu-{result['model']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    report = out / "report.md"
+    head = report.read_text().split(CPU_HEADING)[0].rstrip() if report.exists() else ""
+    lines = [
+        CPU_HEADING,
+        "",
+        f"Model `{result['model']}`, the first {result['num_requests']} mixed-200 requests "
+        f"(offline, ignore_eos), a {result['kv_mb']} MB KV cache, this machine's 2 cores.",
+        "",
+        "| policy | static max_num_seqs | output tok/s | preemptions | mean batch |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['policy']} | {r['static_max_num_seqs'] or ''} | {r['output_tok_s']:.1f} "
+            f"| {r['preemptions']} | {r['mean_batch_size']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Best dynamic over best static: {100 * result['best_throughput_gain']:+.1f}%.",
+    ]
+    report.write_text((head + "\n\n" if head else "") + "\n".join(lines) + "\n")
 
 
 def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...]) -> dict:
@@ -320,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--hours", type=float, default=1.0)
     parser.add_argument("--rate", type=float, default=20.0)
     opts = parser.parse_args(argv)
-    opts.out = opts.out or f"reports/{opts.scenario}"
+    # The CPU comparison belongs to the paper's report.
+    opts.out = opts.out or f"reports/{'paper' if opts.scenario == 'cpu' else opts.scenario}"
     if opts.scenario == "autoscale":
         from loadtests import bench_autoscale
 
@@ -335,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = run_speed(opts.hours, opts.rate)
     elif opts.scenario == "cpu":
         result = run_cpu(opts.model, opts.num_requests, opts.kv_mb, (8, 16, 32, 64))
+        write_cpu_section(result, Path(opts.out))
     else:
         n, cap_s, iters = (60, 10.0, 3) if opts.quick else (1000, 120.0, 6)
         result = run_paper(n, cap_s, iters)
