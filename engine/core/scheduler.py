@@ -163,6 +163,7 @@ class Scheduler:
                 n = budget
             table = table_of(request.request_id)
             # Most decode steps fit in the blocks held: skip the allocator (hot path).
+            # NOTE: the same test as allocate_slots' "need <= 0" early return.
             if table is None or len(table) * block_size < computed + n:
                 if allocate(request, n) is None and not self._allocate_or_preempt(
                     request, n, preempted, i

@@ -81,7 +81,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
