@@ -20,7 +20,7 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import DecoderSpec, read_spec
-from loadtests.cpu_accounting import StealMeter, steal_adjusted
+from loadtests.cpu_accounting import StealMeter, host_info, steal_adjusted
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
 
@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         "num_requests": len(items),
         "output_tokens": sum(it.max_tokens for it in items),
         "threads": torch.get_num_threads(),
+        "host": host_info(),
     }
     static_args = argparse.Namespace(**{**vars(args), "max_num_seqs": args.static_max_num_seqs})
     hf_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]

@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "http_cpu_ms_per_token": _median_cpu([r[2] for r in rounds]),
         "stream_interval_s": opts.stream_interval,
         "serve_env": opts.serve_env,
+        "host": cpu_accounting.host_info(),
         "url": base_v1,
         "http": http,
         "inprocess": inproc,

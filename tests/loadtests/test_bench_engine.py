@@ -40,6 +40,9 @@ def test_bench_engine_json_has_the_promised_keys(tiny_model, capsys):
         assert 0 <= result[f"{side}_steal_frac"] < 1, side
     assert result["speedup_vs_hf_static_steal_adjusted"] > 0
     assert result["speedup_vs_static_steal_adjusted"] > 0
+    # Figures from different hosts differ (AVX-512 vs AVX2): the host is part of the result.
+    assert result["host"]["cpus"] == os.cpu_count()
+    assert result["host"]["simd"] in ("avx512f", "avx2", "avx", "sse4_2", "none", "unknown")
 
 
 def test_shared_prefix_bench_reports_caching_on_and_off(tiny_model, capsys):
