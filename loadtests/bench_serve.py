@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--stream-interval", type=float, default=0.0, help="AppArgs.stream_interval_s"
     )
     parser.add_argument(
+        "--per-request-streams",
+        action="store_true",
+        help="AppArgs.delta_channels false: each request streams its deltas on its own call",
+    )
+    parser.add_argument(
         "--via-proxy",
         action="store_true",
         help="go through Serve's HTTP proxy instead of straight to the ingress replica",
@@ -264,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "served_model_name": "bench",
             "max_queued_requests": opts.concurrency,
             "stream_interval_s": opts.stream_interval,
+            "delta_channels": not opts.per_request_streams,
             "engine": {
                 "kv_cache_bytes": int(opts.kv_cache_gb * 2**30),
                 "max_num_seqs": opts.concurrency,
@@ -308,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # during the HTTP rounds (medians over rounds).
         "http_cpu_ms_per_token": _median_cpu([r[2] for r in rounds]),
         "stream_interval_s": opts.stream_interval,
+        "delta_channels": args.delta_channels,
         "serve_env": opts.serve_env,
         "host": cpu_accounting.host_info(),
         "url": base_v1,

@@ -253,6 +253,12 @@ class AppArgs(_Strict):
         "and the final chunk are never held back. Each chunk costs about 2 ms of CPU across two "
         "Ray hops, so raise this where steps are short or cores are scarce.",
     )
+    delta_channels: bool = Field(
+        True,
+        description="Carry every request's deltas from an engine replica to an ingress replica "
+        "on one stream, one message per engine step for all of them (false: one message per "
+        "request per step on the request's own handle call).",
+    )
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")
     engine_replicas: ReplicaArgs = Field(
         default_factory=ReplicaArgs,

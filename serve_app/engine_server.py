@@ -28,6 +28,7 @@ from engine.core.policy import ExternalLimits
 from engine.core.sampling_params import SamplingParams
 from serve_app import tracing
 from serve_app.config import AppArgs
+from serve_app.delta_channel import ChannelledFirst, Outbox
 from serve_app.openai_protocol import field_of_message
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,9 @@ class EngineServer:
         self.decision = ControlDecision(
             SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
         )
+        self._outboxes: dict[str, Outbox] = {}
+        self._channel_batches_total = 0  # of outboxes already dropped
+        self._channel_deltas_total = 0
         self.num_reports_ok = 0
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
@@ -128,7 +132,11 @@ class EngineServer:
         params: SamplingParams,
         trace_context: dict[str, str] | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput | EngineRejection]:
+        channel: str | None = None,
+    ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
+        """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
+        deltas then go through that channel's subscription), then one delta per engine step
+        (coalesced by stream_interval_s), or one EngineRejection."""
         if self.engine.num_streams >= self.capacity:
             self.num_rejected_total += 1
             yield EngineRejection(
@@ -168,21 +176,29 @@ class EngineServer:
         if span is not None:
             span.add_event("first_token")
         final = first
+        outbox = self._open_outbox(channel) if channel is not None else None
         try:
-            yield first
-            interval = self.args.stream_interval_s
+            if outbox is None:
+                yield first
+            else:
+                yield ChannelledFirst(first, self.replica_id)
             held: RequestOutput | None = None
             async for out in stream:
                 held = out if held is None else held.merge(out)
                 final = out
                 now = time.monotonic()
-                if out.finished or now - last_sent >= interval:
+                if out.finished or now - last_sent >= self.args.stream_interval_s:
                     if k := len(held.new_token_ids):
                         self.latencies.add(self.latencies.itl, (now - last_sent) / k)
                         self.metrics.chunk(now - last_sent, k)
-                    yield held
+                    if outbox is None:
+                        yield held
+                    else:
+                        outbox.put(held)
                     held, last_sent = None, now
         finally:  # also when the caller went away (the engine request was aborted)
+            if outbox is not None:
+                self._close_outbox(channel, outbox)
             reason = final.finish_reason if final.finished else "abort"
             self.metrics.finished(
                 final.num_prompt_tokens,
@@ -193,6 +209,44 @@ class EngineServer:
             )
             if span is not None:
                 _end_engine_span(span, final, reason or "abort", started)
+
+    # ------------------------------------------------------------------ delta channels
+    async def subscribe(
+        self, channel: str, replica_id: str | None = None
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """The deltas of `channel`'s requests at this replica, one list per engine step;
+        ends once the channel has been idle a while (serve_app.delta_channel). `replica_id`
+        is read by the ingress's request router, which sends the call to that replica."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return  # routed here by mistake: the ingress subscribes again
+        outbox = self._outboxes.setdefault(channel, Outbox())
+        outbox.num_subscribers += 1
+        try:
+            while (batch := await outbox.take()) is not None:
+                yield batch
+        finally:
+            outbox.num_subscribers -= 1
+            if outbox.idle and not outbox.num_subscribers:
+                self._drop(channel, outbox)
+
+    def _open_outbox(self, channel: str) -> Outbox:
+        for name, stale in list(self._outboxes.items()):
+            if stale.abandoned:  # its ingress went away without reading the rest
+                self._drop(name, stale)
+        outbox = self._outboxes.setdefault(channel, Outbox())
+        outbox.num_open += 1
+        return outbox
+
+    def _close_outbox(self, channel: str, outbox: Outbox) -> None:
+        outbox.num_open -= 1
+        if outbox.idle and not outbox.num_subscribers:
+            self._drop(channel, outbox)
+
+    def _drop(self, channel: str, outbox: Outbox) -> None:
+        if self._outboxes.get(channel) is outbox:
+            self._channel_batches_total += outbox.num_batches
+            self._channel_deltas_total += outbox.num_deltas
+            del self._outboxes[channel]
 
     async def stats(self) -> dict[str, Any]:
         """This replica's scheduler stats plus stream bookkeeping (tests, /metrics)."""
@@ -207,6 +261,11 @@ class EngineServer:
             decision=asdict(self.decision),
             num_reports_ok=self.num_reports_ok,
             num_report_failures=self.num_report_failures,
+            num_channels=len(self._outboxes),
+            channel_batches_total=self._channel_batches_total
+            + sum(o.num_batches for o in self._outboxes.values()),
+            channel_deltas_total=self._channel_deltas_total
+            + sum(o.num_deltas for o in self._outboxes.values()),
         )
         return stats
 

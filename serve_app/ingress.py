@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from engine.core.outputs import RequestOutput
 from serve_app import openai_protocol as oai
 from serve_app import tracing
 from serve_app.config import AppArgs
+from serve_app.delta_channel import ChannelledFirst, DeltaChannels
 from serve_app.engine_server import EngineRejection
 from serve_app.telemetry import IngressMetrics, render_engine_metrics
 
@@ -85,6 +87,8 @@ class _Prepared:
     continuous_usage: bool
     started: float = field(default_factory=time.perf_counter)
     span: Any = None  # the request's OpenTelemetry span (tracing on)
+    # Its deltas after the first, when they come through a delta channel.
+    queue: asyncio.Queue[RequestOutput | BaseException] | None = None
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -104,6 +108,11 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(self.args.model)
         self.vocab_size = len(self.tokenizer)
         self.engine = engine.options(stream=True)
+        self.channels: DeltaChannels | None = None
+        if self.args.delta_channels:
+            context = serve.get_replica_context()
+            replica = context.replica_id.unique_id if context else "local"
+            self.channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
         self.metrics = IngressMetrics(self.model_name)
         self.created = oai.now()
         self.controller = controller
@@ -176,27 +185,34 @@ class OpenAIIngress:
     async def _serve(
         self, endpoint: str, body: oai.CompletionRequest | oai.ChatCompletionRequest
     ) -> Response:
-        stream = None
+        stream = prepared = None
         span = self._start_span(endpoint, body)
         try:
             prepared = self._prepare(endpoint, body)
             prepared.span = span
             carrier = tracing.inject(span) if span is not None else None
+            channel = None
+            if self.channels is not None:
+                prepared.queue = self.channels.open(prepared.request_id)
+                channel = self.channels.channel_id
             stream = self.engine.generate.remote(
                 prepared.request_id,
                 prepared.prompt_token_ids,
                 prepared.params,
                 carrier,
                 body.priority,
+                channel,
             )
-            first = await self._first(stream)
+            first = await self._first(prepared, stream)
         except OpenAIError as exc:
+            self._forget(prepared)
             self.metrics.answered(endpoint, exc.status)
             if span is not None:
                 span.set_attribute("http.response.status_code", exc.status)
                 span.end()
             return exc.response()
         except asyncio.CancelledError:  # the client left before the first token
+            self._forget(prepared)
             if stream is not None:
                 stream.cancel()
             if span is not None:
@@ -303,7 +319,11 @@ class OpenAIIngress:
             raise ValueError(f"messages: the chat template rejected them: {exc}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _first(self, stream) -> RequestOutput:
+    def _forget(self, prep: _Prepared | None) -> None:
+        if prep is not None and prep.queue is not None and self.channels is not None:
+            self.channels.close(prep.request_id)
+
+    async def _first(self, prep: _Prepared, stream) -> RequestOutput:
         """The engine's first delta, or the HTTP error its rejection or failure stands for."""
         try:
             first = await anext(stream)
@@ -322,6 +342,12 @@ class OpenAIIngress:
             if first.kind == "overloaded":
                 raise self._overloaded(first.message)
             raise OpenAIError(400, first.message, param=first.param)
+        if isinstance(first, ChannelledFirst):
+            assert self.channels is not None
+            self.channels.attach(prep.request_id, first.replica_id)
+            return first.output
+        self._forget(prep)  # an engine replica without channels streams on the call itself
+        prep.queue = None
         return first
 
     def _overloaded(self, message: str) -> OpenAIError:
@@ -333,22 +359,62 @@ class OpenAIIngress:
             headers={"Retry-After": str(self.args.retry_after_s)},
         )
 
-    async def _deltas(self, first: RequestOutput, stream) -> AsyncIterator[RequestOutput]:
+    async def _deltas(
+        self, prep: _Prepared, first: RequestOutput, stream
+    ) -> AsyncIterator[RequestOutput]:
         """First delta then the rest; cancels the engine request if the consumer stops early."""
         done = False
         try:
             yield first
             done = first.finished
-            async for out in stream:
-                yield out
-                done = out.finished
+            if done:  # a one-token request: nothing follows on its channel
+                return
+            rest = (
+                contextlib.nullcontext(stream)
+                if prep.queue is None
+                else contextlib.aclosing(self._channelled(prep, prep.queue, stream))
+            )
+            async with rest as later:
+                async for out in later:
+                    yield out
+                    done = out.finished
         finally:
             if not done:
                 stream.cancel()
+            self._forget(prep)
+
+    async def _channelled(
+        self, prep: _Prepared, queue: asyncio.Queue[RequestOutput | BaseException], stream
+    ) -> AsyncIterator[RequestOutput]:
+        """A request's deltas from its delta channel; its own call is watched only for
+        failures (its replica died before the channel was up)."""
+        watcher = asyncio.get_running_loop().create_task(self._watch(prep, stream))
+        try:
+            while True:
+                item = await queue.get()
+                # A lagging consumer gets everything that came meanwhile as one delta.
+                while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    item = item.merge(later) if isinstance(later, RequestOutput) else later
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, prep: _Prepared, stream) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as exc:
+            assert self.channels is not None
+            self.channels.fail(prep.request_id, exc)
 
     async def _whole(self, prep: _Prepared, model: str, first: RequestOutput, stream) -> Response:
         text, last, ttft = [], first, time.perf_counter() - prep.started
-        async with contextlib.aclosing(self._deltas(first, stream)) as deltas:
+        async with contextlib.aclosing(self._deltas(prep, first, stream)) as deltas:
             async for out in deltas:
                 text.append(out.new_text)
                 last = out
@@ -397,7 +463,7 @@ class OpenAIIngress:
         last = first
         if chat:
             yield event([oai.chat_delta_choice({"role": "assistant", "content": ""}, None)])
-        async with contextlib.aclosing(self._deltas(first, stream)) as deltas:
+        async with contextlib.aclosing(self._deltas(prep, first, stream)) as deltas:
             async for out in deltas:
                 last = out
                 if out.finish_reason == "error":

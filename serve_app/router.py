@@ -7,6 +7,13 @@ replica (below 1 when its latency is over the deployment's SLA target). Prefix a
 rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids, so every
 ingress replica sends the same prefix to the same engine replica without sharing state, and a
 replica joining or leaving moves only its own share of prefixes.
+
+A call with a `replica_id` keyword (an ingress subscribing to its delta channel at one engine
+replica, serve_app.delta_channel) goes to that replica only. Serve's FIFOMixin hands a choice
+to the oldest waiting request; here a choice goes to the request it was made for (its prefix,
+its target) while that one still waits, and only otherwise to the oldest. (Serve's non-FIFO
+mode drops such choices instead, and with many requests waiting its routing tasks flooded
+busy replicas with queue-length probes here.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import hashlib
 import random
 from array import array
 
+from ray.serve._private.common import RequestMetadata  # the type of a public hook's argument
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.control import weighted_load
@@ -39,6 +47,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.prefix_tokens = prefix_tokens
         self.max_imbalance = max_imbalance
 
+    def _get_pending_request_matching_metadata(
+        self, request_metadata: RequestMetadata | None = None
+    ) -> PendingRequest | None:
+        return self._get_pending_request_matching_internal_request_id(request_metadata)
+
     def replica_load(self, replica: RunningReplica) -> float:
         """Outstanding requests over the controller's routing weight (1, or less for a
         replica throttled by the cluster SLA rule, which so gets a smaller share)."""
@@ -52,8 +65,16 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Without it Serve retries a request whose replicas are all full (or slow to
+            # answer its queue-length probe) at once and forever, flooding them with probes.
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
+        target = pending_request.kwargs.get("replica_id") if pending_request else None
+        if target is not None:
+            # An empty answer makes Serve try again later: the replica may not be known yet.
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         # Shuffle first so equally loaded replicas share the work.
         ranked = random.sample(candidate_replicas, len(candidate_replicas))
         ranked.sort(key=self.replica_load)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -91,6 +92,20 @@ def test_streamed_completion_equals_whole(client, reference_engine):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and not any(finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+
+
+@pytest.mark.timeout(60)
+def test_one_token_requests_end_after_their_first_delta(client, reference_engine):
+    """The first delta is also the last: nothing follows on the delta channel."""
+    want = _greedy(reference_engine, [PROMPTS[2]], 1)[0]
+    for stream in (True, False):
+        got = client.completions.create(
+            model="tiny", prompt=PROMPTS[2], max_tokens=1, temperature=0, stream=stream
+        )
+        text = (
+            "".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text
+        )
+        assert text == want
 
 
 def test_chat_streaming_and_not(client, reference_engine):
@@ -267,9 +282,24 @@ def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engin
         ) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
+    before = serve_cluster.replica_stats("llm", 2)
     assert asyncio.run(run_all()) == expected
     # Both engine replicas took part, and every block came back.
     stats = serve_cluster.replica_stats("llm", 2)
     assert all(s["num_finished_total"].get("length", 0) > 0 for s in stats.values()), stats
     for s in stats.values():
         assert s["num_used_blocks"] == 0 and s["num_streams"] == 0, s
+    # Every delta after the first came through the delta channels, many to a message.
+    deltas = sum(
+        stats[r]["channel_deltas_total"] - before[r]["channel_deltas_total"] for r in stats
+    )
+    batches = sum(
+        stats[r]["channel_batches_total"] - before[r]["channel_batches_total"] for r in stats
+    )
+    assert deltas >= 64 and batches * 4 <= deltas, (deltas, batches)
+    # Idle subscriptions end and their outboxes go.
+    deadline = time.monotonic() + 20
+    while any(s["num_channels"] for s in stats.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        stats = serve_cluster.replica_stats("llm", 2)
+    assert not any(s["num_channels"] for s in stats.values()), stats
