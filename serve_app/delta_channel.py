@@ -136,10 +136,6 @@ class DeltaChannels:
             if self._open_at[replica_id] <= 0:
                 del self._open_at[replica_id]
 
-    @property
-    def num_subscriptions(self) -> int:
-        return len(self._tasks)
-
     async def _listen(self, replica_id: str) -> None:
         """Subscribe to replica_id's outbox for this channel while requests are open there
         (the replica ends a subscription that stays idle; if requests came meanwhile, subscribe
