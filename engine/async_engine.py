@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.core.config import EngineConfig
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import RequestOutput, merge_queued
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
@@ -60,11 +60,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while True:
-                item = await stream.get()
-                # A slow consumer gets everything produced since its last read as one delta.
-                while not stream.empty() and isinstance(item, RequestOutput) and not item.finished:
-                    later = stream.get_nowait()
-                    item = item.merge(later) if isinstance(later, RequestOutput) else later
+                item = merge_queued(await stream.get(), stream)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -83,6 +83,11 @@ class Outbox:
         return not self.items and self.num_open == 0
 
     @property
+    def unused(self) -> bool:
+        """Idle and nobody reading: the replica may drop it."""
+        return self.idle and not self.num_subscribers
+
+    @property
     def abandoned(self) -> bool:
         """Nothing open and no subscriber, with deltas unread for ABANDONED_AFTER_S."""
         return (

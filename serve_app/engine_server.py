@@ -226,7 +226,7 @@ class EngineServer:
                 yield batch
         finally:
             outbox.num_subscribers -= 1
-            if outbox.idle and not outbox.num_subscribers:
+            if outbox.unused:
                 self._drop(channel, outbox)
 
     def _open_outbox(self, channel: str) -> Outbox:
@@ -239,7 +239,7 @@ class EngineServer:
 
     def _close_outbox(self, channel: str, outbox: Outbox) -> None:
         outbox.num_open -= 1
-        if outbox.idle and not outbox.num_subscribers:
+        if outbox.unused:
             self._drop(channel, outbox)
 
     def _drop(self, channel: str, outbox: Outbox) -> None:

@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import RequestOutput, merge_queued
 from serve_app import openai_protocol as oai
 from serve_app import tracing
 from serve_app.config import AppArgs
@@ -391,11 +391,7 @@ class OpenAIIngress:
         watcher = asyncio.get_running_loop().create_task(self._watch(prep, stream))
         try:
             while True:
-                item = await queue.get()
-                # A lagging consumer gets everything that came meanwhile as one delta.
-                while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
-                    later = queue.get_nowait()
-                    item = item.merge(later) if isinstance(later, RequestOutput) else later
+                item = merge_queued(await queue.get(), queue)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

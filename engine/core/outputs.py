@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.core.sampling_params import SamplingParams
 
@@ -138,3 +139,20 @@ class SchedulerStats:
     num_swapped: int = 0  # requests whose KV waits in the host pool
     num_swap_outs_total: int = 0
     num_free_host_blocks: int = 0
+
+
+class _DeltaQueue(Protocol):
+    def empty(self) -> bool: ...
+    def get_nowait(self) -> RequestOutput | BaseException: ...
+
+
+def merge_queued(
+    item: RequestOutput | BaseException, queue: _DeltaQueue
+) -> RequestOutput | BaseException:
+    """`item` merged with every delta of the same request already waiting in `queue`: a slow
+    consumer gets everything produced since its last read as one delta. Stops at a finished
+    delta or an exception (which replaces what was merged)."""
+    while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+        later = queue.get_nowait()
+        item = item.merge(later) if isinstance(later, RequestOutput) else later
+    return item
