@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.outputs import ScheduledRequest
+from engine.model.fused import argmax_last_dim
 
 
 class Sampler:
@@ -24,7 +25,7 @@ class Sampler:
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, list(req.banned_token_ids)] = float("-inf")
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = argmax_last_dim(logits).tolist()
         for i, req in enumerate(requests):
             if not req.sampling_params.greedy:
                 tokens[i] = self._sample_row(logits[i], req)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.model.decoder import RMSNorm
-from engine.model.fused import DecoderOps
+from engine.model.fused import DecoderOps, argmax_last_dim
 from engine.model.rope import RotaryEmbedding
 
 NATIVE = DecoderOps(native=True)
@@ -56,3 +56,43 @@ def test_rotary_matches_torch_on_a_strided_qk_view(head_dim: int) -> None:
     got = NATIVE.rotary(rope, positions, torch.float32)(qk)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same products, same rounding
     torch.testing.assert_close(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_feature_major_add_rms_norm_is_the_transpose_of_the_row_op(
+    tokens: int, with_delta: bool
+) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.rand(96, generator=gen) + 0.5
+    h = torch.randn(tokens, 96, generator=gen)
+    delta = torch.randn(tokens, 96, generator=gen) if with_delta else None
+    h_rows, h_cols = h.clone(), h.t().contiguous()
+    out_rows = NATIVE.add_rms_norm(h_rows, delta, norm)
+    delta_cols = None if delta is None else delta.t().contiguous()
+    out_cols = NATIVE.add_rms_norm_fm(h_cols, delta_cols, norm)
+    assert out_cols.shape == (96, tokens)
+    torch.testing.assert_close(h_cols.t(), h_rows, rtol=0, atol=0)  # the add is exact
+    torch.testing.assert_close(out_cols.t(), out_rows, rtol=1e-6, atol=1e-6)
+
+
+def test_feature_major_silu_mul_is_the_transpose_of_the_row_op() -> None:
+    gate_up = torch.randn(33, 2 * 80, generator=torch.Generator().manual_seed(2)) * 4
+    expected = NATIVE.silu_mul(gate_up)
+    got = NATIVE.silu_mul_fm(gate_up.t().contiguous())
+    assert got.shape == (80, 33)
+    torch.testing.assert_close(got.t(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_argmax_of_a_transposed_view_matches_torch_with_ties(rows: int) -> None:
+    columns = torch.randn(5000, rows, generator=torch.Generator().manual_seed(rows))
+    columns[4000, 0] = columns[100, 0] = 50.0  # a tie: the first index wins, as in torch
+    columns[4999, rows - 1] = 60.0  # the very last row of the last band
+    logits = columns.t()  # what the feature-major decoder returns
+    got = argmax_last_dim(logits)
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[0] == (100 if rows > 1 else 4999)
+    contiguous = logits.contiguous()
+    assert argmax_last_dim(contiguous).tolist() == got.tolist()  # the torch path

@@ -86,10 +86,15 @@ def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "llama3"])
-def test_other_llama_family_architectures_match_hf(arch):
+@pytest.mark.parametrize("feature_major", [True, False])
+def test_other_llama_family_architectures_match_hf(arch, feature_major):
+    """Both activation layouts of the CPU decoder (feature-major is the default where the
+    native ops build; token-major is the path every other device takes)."""
     model_dir = tiny_model_dir(arch)
     oracle = HFOracle(model_dir)
     engine = build_engine(model_dir, 4, 60, max_num_seqs=8, max_num_batched_tokens=16)
+    if not feature_major:
+        engine.runner.model.feature_major_max_tokens = 0
     prompts = random_prompts(7, 8, max_len=40)
     max_tokens = [16] * len(prompts)
     tokens = run_mix(engine, prompts, max_tokens, [0, 0, 0, 0, 2, 4, 6, 8])
