@@ -1,0 +1,107 @@
+"""Feature-major vs token-major decoder layout on the standard workload, paired step by step.
+
+    python -m loadtests.ab_decode_layout --model small [--num-requests N] [--json]
+
+Two engines (one per layout) run the same requests with the same schedule and take turns,
+one step each, so both see the same state of this noisy, shared machine. Prints the time
+each spent in prefill-phase steps (some prompt still being prefilled) and decode-only steps,
+tokens/s, and how many requests came out token-identical (greedy; a float32 near-tie may
+flip one, see the oracle tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.model.decoder import FEATURE_MAJOR_MAX_TOKENS
+from engine.model.loader import read_spec
+from loadtests.cpu_accounting import host_info
+from loadtests.workload import WorkItem, load_workload, resolve_model
+
+LAYOUTS = {"feature_major": FEATURE_MAJOR_MAX_TOKENS, "token_major": 0}
+
+
+def _engine(model_dir: str, items: list[WorkItem], max_tokens: int, args) -> LLMEngine:
+    config = EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(
+            block_size=16,
+            kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+            # Both engines must compute every prompt: no hits from an earlier run.
+            enable_prefix_caching=False,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=1024
+        ),
+    )
+    engine = LLMEngine(config)
+    engine.runner.model.feature_major_max_tokens = max_tokens
+    for it in items:
+        params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
+        engine.add_request(it.request_id, it.prompt_token_ids, params)
+    return engine
+
+
+def _prefilling(engine: LLMEngine) -> bool:
+    s = engine.scheduler
+    return bool(s.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="small", help="tiny, small, or a checkpoint dir")
+    parser.add_argument("--num-requests", type=int, default=None, help="first N requests only")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="per engine")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    model_dir = resolve_model(args.model)
+    spec = read_spec(model_dir)
+    items = load_workload("mixed-200", spec.vocab_size, seed=0, limit=args.num_requests)
+    engines = {name: _engine(model_dir, items, n, args) for name, n in LAYOUTS.items()}
+    seconds = {name: {"prefill_phase_s": 0.0, "decode_phase_s": 0.0} for name in engines}
+    tokens: dict[str, dict[str, list[int]]] = {name: {} for name in engines}
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            phase = "prefill_phase_s" if _prefilling(engine) else "decode_phase_s"
+            start = time.perf_counter()
+            for out in engine.step():
+                tokens[name].setdefault(out.request_id, []).extend(out.new_token_ids)
+            seconds[name][phase] += time.perf_counter() - start
+    result: dict = {"model": args.model, "num_requests": len(items), "host": host_info()}
+    for name, s in seconds.items():
+        total = s["prefill_phase_s"] + s["decode_phase_s"]
+        produced = sum(len(t) for t in tokens[name].values())
+        result[name] = {**s, "total_s": total, "tok_s": produced / total}
+    fm, tm = result["feature_major"], result["token_major"]
+    result["decode_phase_speedup"] = tm["decode_phase_s"] / fm["decode_phase_s"]
+    result["total_speedup"] = tm["total_s"] / fm["total_s"]
+    a, b = tokens["feature_major"], tokens["token_major"]
+    result["identical_requests"] = sum(a[rid] == b[rid] for rid in a)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name in LAYOUTS:
+            r = result[name]
+            print(
+                f"{name:14s} prefill-phase {r['prefill_phase_s']:7.1f} s  decode-phase "
+                f"{r['decode_phase_s']:7.1f} s  total {r['total_s']:7.1f} s  "
+                f"{r['tok_s']:7.1f} tok/s"
+            )
+        print(
+            f"feature-major speedup: decode phase {result['decode_phase_speedup']:.3f}x, "
+            f"total {result['total_speedup']:.3f}x; identical requests "
+            f"{result['identical_requests']} of {len(items)}"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()
