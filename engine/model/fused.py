@@ -3,7 +3,9 @@
 On CPU a prefill chunk's activations are tens of MB and each torch op is one more pass over
 them; `csrc/fused_ops.c` does residual add + RMSNorm, SiLU * up and RoPE in one pass each
 (10-15% of a prefill-heavy step, 2-6% of a decode step, measured in the README). Other
-devices and dtypes keep the torch path.
+devices and dtypes keep the torch path. The `_fm` twins work on feature-major activations
+([features, tokens], the decoder's layout for decode steps), and `argmax_last_dim` does greedy
+sampling from the logits that layout returns.
 """
 
 from __future__ import annotations
@@ -59,37 +61,35 @@ class DecoderOps:
             if delta is not None:
                 h += delta
             return norm(h)
-        if delta is not None:
-            delta = delta.contiguous()
-        out = torch.empty_like(h)
         t, hidden = h.shape
-        self._lib.add_rms_norm(
-            h.data_ptr(),
-            None if delta is None else delta.data_ptr(),
-            norm.weight.data_ptr(),
-            out.data_ptr(),
-            t,
-            hidden,
-            norm.eps,
-            torch.get_num_threads(),
-        )
-        return out
+        return self._native_add_rms_norm(self._lib.add_rms_norm, h, delta, norm, t, hidden)
 
     def add_rms_norm_fm(
         self, h: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
     ) -> torch.Tensor:
         """`add_rms_norm` for feature-major h and delta ([hidden, T]); only where
         `applies(h)`."""
+        hidden, t = h.shape
+        return self._native_add_rms_norm(self._lib.add_rms_norm_fm, h, delta, norm, t, hidden)
+
+    @staticmethod
+    def _native_add_rms_norm(
+        kernel: Callable[..., None],
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        norm: torch.nn.Module,
+        tokens: int,
+        hidden: int,
+    ) -> torch.Tensor:
         if delta is not None:
             delta = delta.contiguous()
         out = torch.empty_like(h)
-        hidden, t = h.shape
-        self._lib.add_rms_norm_fm(
+        kernel(
             h.data_ptr(),
             None if delta is None else delta.data_ptr(),
             norm.weight.data_ptr(),
             out.data_ptr(),
-            t,
+            tokens,
             hidden,
             norm.eps,
             torch.get_num_threads(),

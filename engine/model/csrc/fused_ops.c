@@ -70,7 +70,7 @@ void rope_inplace(float *x, int64_t row_stride, const int64_t *positions, const 
 }
 
 /* Feature-major twins of the two ops above, for activations stored [features, T] (one column
- * per token; see DecoderOps.feature_major). */
+ * per token; see Decoder._forward_feature_major). */
 
 /* add_rms_norm over the columns of h, delta and out, all [H, T]. Columns go in blocks of 64:
  * a block's H rows (192 KB at H = 768) stay in L2 between the two passes. */
