@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 
+_BIND_ATTEMPTS = 3
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,7 +23,6 @@ def start_local_serve(log_level: str = "INFO") -> int:
     import ray
     from ray import serve
 
-    port = free_port()
     ray.init(
         num_cpus=4,
         include_dashboard=False,
@@ -29,11 +30,21 @@ def start_local_serve(log_level: str = "INFO") -> int:
         object_store_memory=256 << 20,
         configure_logging=False,
     )
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": port},
-        logging_config={"enable_access_log": False, "log_level": log_level},
-    )
-    return port
+    # A port free a moment ago can be taken (as the local end of some Ray process's
+    # connection) before the proxy binds it: seen once in CI. Then try another.
+    for attempt in range(1, _BIND_ATTEMPTS + 1):
+        port = free_port()
+        try:
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"enable_access_log": False, "log_level": log_level},
+            )
+        except Exception as exc:  # a RayTaskError wrapping the proxy's bind failure
+            if "Failed to bind" not in str(exc) or attempt == _BIND_ATTEMPTS:
+                raise
+            serve.shutdown()
+        else:
+            return port
 
 
 def ingress_url(app_name: str, proxy_port: int) -> str:
