@@ -21,14 +21,16 @@ class Sampler:
             self._generators.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
-        """logits: float32 [len(requests), vocab]. May modify logits in place."""
+        """logits: [len(requests), vocab] on any device. May modify logits in place. Greedy
+        rows are reduced where the logits are (only token ids cross to the host); a random
+        row is copied to the host as float32, where each request's generator lives."""
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, list(req.banned_token_ids)] = float("-inf")
         tokens = argmax_last_dim(logits).tolist()
         for i, req in enumerate(requests):
             if not req.sampling_params.greedy:
-                tokens[i] = self._sample_row(logits[i], req)
+                tokens[i] = self._sample_row(logits[i].to("cpu", torch.float32), req)
         return tokens
 
     def _sample_row(self, row: torch.Tensor, req: ScheduledRequest) -> int:

@@ -24,15 +24,24 @@ from loadtests.cpu_accounting import StealMeter, host_info, steal_adjusted
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
 
-def peak_gemm_flops(n: int = 2048, reps: int = 10) -> float:
-    """Best FLOP/s of a large float32 matmul over several tries: the practical peak (best,
-    not median, so that a noisy moment does not flatter roofline_frac)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def peak_gemm_flops(
+    n: int | None = None, reps: int = 10, device: str = "cpu", dtype: str = "float32"
+) -> float:
+    """Best FLOP/s of a large matmul in the engine's dtype over several tries: the practical
+    peak (best, not median, so that a noisy moment does not flatter roofline_frac)."""
+    on_cuda = device.startswith("cuda")
+    n = n or (8192 if on_cuda else 2048)
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
     torch.matmul(a, b)
     times = []
     for _ in range(reps):
+        if on_cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         torch.matmul(a, b)
+        if on_cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * n**3 / min(times)
 
@@ -59,6 +68,8 @@ def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
 def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> dict:
     config = EngineConfig(
         model=model_dir,
+        device=args.device,
+        dtype=args.dtype,
         num_threads=args.threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * 2**30)),
         scheduler=SchedulerConfig(
@@ -108,6 +119,8 @@ def run_shared_prefix(model_dir: str, args, caching: bool, vocab_size: int) -> d
     ]
     config = EngineConfig(
         model=model_dir,
+        device=args.device,
+        dtype=args.dtype,
         num_threads=args.threads,
         cache=CacheConfig(
             block_size=args.block_size,
@@ -170,11 +183,12 @@ def shared_prefix_main(model_dir: str, vocab_size: int, args) -> dict:
     }
 
 
-def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int) -> dict:
+def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int, args) -> dict:
     """HF generate in static batches with left padding; counts each request's own tokens."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     pad = model.generation_config.pad_token_id or 0
     produced = 0
     with StealMeter() as steal:
@@ -189,14 +203,15 @@ def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int) -> dic
                 ids[i, width - n :] = torch.tensor(it.prompt_token_ids)
                 mask[i, width - n :] = 1
             with torch.no_grad():
-                model.generate(
-                    ids,
-                    attention_mask=mask,
+                out = model.generate(
+                    ids.to(args.device),
+                    attention_mask=mask.to(args.device),
                     do_sample=False,
                     max_new_tokens=max(it.max_tokens for it in batch),
                     eos_token_id=None,
                     pad_token_id=pad,
                 )
+            out.cpu()  # wait for the device
             produced += sum(it.max_tokens for it in batch)
         wall = time.perf_counter() - start
     return {"tok_s": produced / wall, "wall_s": wall, "steal_frac": steal.fraction}
@@ -222,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-gb", type=float, default=4.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (engine, HF and the peak)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload")
@@ -240,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return result
     items = load_workload(args.workload, spec.vocab_size, seed=0, limit=args.num_requests)
-    peak_before = peak_gemm_flops()
+    peak_before = peak_gemm_flops(device=args.device, dtype=args.dtype)
     flops = workload_flops(spec, items)
 
     result: dict = {
@@ -249,6 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
         "num_requests": len(items),
         "output_tokens": sum(it.max_tokens for it in items),
         "threads": torch.get_num_threads(),
+        "device": args.device,
+        "dtype": args.dtype,
         "host": host_info(),
     }
     static_args = argparse.Namespace(**{**vars(args), "max_num_seqs": args.static_max_num_seqs})
@@ -263,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
         r["continuous_steal_frac"] = cont["steal_frac"]
         r["outside_forward_frac"] = cont["outside_forward_frac"]
         r["preemptions"] = cont["preemptions"]
-        r["peak_gemm_gflop_s"] = max(peak_before, peak_gemm_flops()) / 1e9
+        peak_after = peak_gemm_flops(device=args.device, dtype=args.dtype)
+        r["peak_gemm_gflop_s"] = max(peak_before, peak_after) / 1e9
         r["roofline_frac"] = flops / cont["wall_s"] / (r["peak_gemm_gflop_s"] * 1e9)
         if not args.skip_static:
             static = run_engine(model_dir, items, "static", static_args)
@@ -274,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cont, static
             )
         if not args.skip_hf:
-            hf_runs = {bs: run_hf_static(model_dir, items, bs) for bs in hf_sizes}
+            hf_runs = {bs: run_hf_static(model_dir, items, bs, args) for bs in hf_sizes}
             hf = {bs: run["tok_s"] for bs, run in hf_runs.items()}
             for bs, tok_s in hf.items():
                 r[f"hf_static_bs{bs}_tok_s"] = tok_s

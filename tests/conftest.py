@@ -27,6 +27,7 @@ def build_engine(
     num_blocks: int = 300,
     enable_prefix_caching: bool = True,
     num_host_blocks: int | None = None,
+    device: str = "cpu",
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
@@ -36,6 +37,7 @@ def build_engine(
     return LLMEngine(
         EngineConfig(
             model=model,
+            device=device,
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,

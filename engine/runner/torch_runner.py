@@ -117,9 +117,13 @@ class TorchModelRunner:
         logits = self.model(
             input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
         )
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: wait, so forward_seconds is the device's time (the
+            # sampled token ids' copy to the host below would wait for them anyway).
+            torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
         sampled = [r for r in order if r.sample]
-        tokens = self.sampler.sample(logits.cpu(), sampled)
+        tokens = self.sampler.sample(logits, sampled)
         return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
 
     # ------------------------------------------------------------------------- helpers
@@ -131,11 +135,14 @@ class TorchModelRunner:
     def _size_cache(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
             return cache.num_blocks
-        if self.device.type == "cuda":
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.device.type == "cuda":
+            # The weights are loaded by now: the fraction is of the memory they left free.
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.gpu_memory_fraction)
         else:
-            budget = cache.kv_cache_bytes or 0
+            budget = 0
         num_blocks = budget // self.bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
