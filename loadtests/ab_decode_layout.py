@@ -1,8 +1,13 @@
-"""Feature-major vs token-major decoder layout on the standard workload, paired step by step.
+"""Two variants of the CPU decoder on the standard workload, paired step by step.
 
-    python -m loadtests.ab_decode_layout --model small [--num-requests N] [--json]
+    python -m loadtests.ab_decode_layout --model small [--pair NEW,BASE] [--num-requests N]
+        [--json]
 
-Two engines (one per layout) run the same requests with the same schedule and take turns,
+Variants: `feature_major` (the default build: feature-major decode steps with the native
+GEMM up to its token limit), `feature_major_mkl` (the same layout, every GEMM through
+MKL), `token_major` (no feature-major steps). The default pair is
+feature_major,token_major. Two engines (one per variant) run the same requests with the
+same schedule and take turns,
 one step each, so both see the same state of this noisy, shared machine. Prints the time
 each spent in prefill-phase steps (some prompt still being prefilled) and decode-only steps,
 tokens/s, and how many requests came out token-identical (greedy; a float32 near-tie may
@@ -19,14 +24,20 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.decoder import FEATURE_MAJOR_MAX_TOKENS
+from engine.model.fused import GEMM_FM_MAX_TOKENS
 from engine.model.loader import read_spec
 from loadtests.cpu_accounting import host_info
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
-LAYOUTS = {"feature_major": FEATURE_MAJOR_MAX_TOKENS, "token_major": 0}
+# name: (feature_major_max_tokens, gemm_fm_max_tokens)
+VARIANTS = {
+    "feature_major": (FEATURE_MAJOR_MAX_TOKENS, GEMM_FM_MAX_TOKENS),
+    "feature_major_mkl": (FEATURE_MAJOR_MAX_TOKENS, 0),
+    "token_major": (0, 0),
+}
 
 
-def _engine(model_dir: str, items: list[WorkItem], max_tokens: int, args) -> LLMEngine:
+def _engine(model_dir: str, items: list[WorkItem], variant: tuple[int, int], args) -> LLMEngine:
     config = EngineConfig(
         model=model_dir,
         cache=CacheConfig(
@@ -40,7 +51,8 @@ def _engine(model_dir: str, items: list[WorkItem], max_tokens: int, args) -> LLM
         ),
     )
     engine = LLMEngine(config)
-    engine.runner.model.feature_major_max_tokens = max_tokens
+    model = engine.runner.model
+    model.feature_major_max_tokens, model.ops.gemm_fm_max_tokens = variant
     for it in items:
         params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
         engine.add_request(it.request_id, it.prompt_token_ids, params)
@@ -58,12 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-requests", type=int, default=None, help="first N requests only")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="per engine")
+    parser.add_argument("--pair", default="feature_major,token_major", help="NEW,BASE")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    pair = args.pair.split(",")
+    if len(pair) != 2 or len(set(pair)) != 2 or not set(pair) <= set(VARIANTS):
+        parser.error(f"--pair: two different variants of {sorted(VARIANTS)}")
     model_dir = resolve_model(args.model)
     spec = read_spec(model_dir)
     items = load_workload("mixed-200", spec.vocab_size, seed=0, limit=args.num_requests)
-    engines = {name: _engine(model_dir, items, n, args) for name, n in LAYOUTS.items()}
+    engines = {name: _engine(model_dir, items, VARIANTS[name], args) for name in pair}
     seconds = {name: {"prefill_phase_s": 0.0, "decode_phase_s": 0.0} for name in engines}
     tokens: dict[str, dict[str, list[int]]] = {name: {} for name in engines}
     while any(e.has_unfinished_requests() for e in engines.values()):
@@ -75,28 +91,33 @@ def main(argv: list[str] | None = None) -> dict:
             for out in engine.step():
                 tokens[name].setdefault(out.request_id, []).extend(out.new_token_ids)
             seconds[name][phase] += time.perf_counter() - start
-    result: dict = {"model": args.model, "num_requests": len(items), "host": host_info()}
+    result: dict = {
+        "model": args.model,
+        "num_requests": len(items),
+        "host": host_info(),
+        "pair": pair,
+    }
     for name, s in seconds.items():
         total = s["prefill_phase_s"] + s["decode_phase_s"]
         produced = sum(len(t) for t in tokens[name].values())
         result[name] = {**s, "total_s": total, "tok_s": produced / total}
-    fm, tm = result["feature_major"], result["token_major"]
-    result["decode_phase_speedup"] = tm["decode_phase_s"] / fm["decode_phase_s"]
-    result["total_speedup"] = tm["total_s"] / fm["total_s"]
-    a, b = tokens["feature_major"], tokens["token_major"]
+    new, base = result[pair[0]], result[pair[1]]
+    result["decode_phase_speedup"] = base["decode_phase_s"] / new["decode_phase_s"]
+    result["total_speedup"] = base["total_s"] / new["total_s"]
+    a, b = tokens[pair[0]], tokens[pair[1]]
     result["identical_requests"] = sum(a[rid] == b[rid] for rid in a)
     if args.json:
         print(json.dumps(result))
     else:
-        for name in LAYOUTS:
+        for name in pair:
             r = result[name]
             print(
-                f"{name:14s} prefill-phase {r['prefill_phase_s']:7.1f} s  decode-phase "
+                f"{name:18s} prefill-phase {r['prefill_phase_s']:7.1f} s  decode-phase "
                 f"{r['decode_phase_s']:7.1f} s  total {r['total_s']:7.1f} s  "
                 f"{r['tok_s']:7.1f} tok/s"
             )
         print(
-            f"feature-major speedup: decode phase {result['decode_phase_speedup']:.3f}x, "
+            f"{pair[0]} over {pair[1]}: decode phase {result['decode_phase_speedup']:.3f}x, "
             f"total {result['total_speedup']:.3f}x; identical requests "
             f"{result['identical_requests']} of {len(items)}"
         )

@@ -20,30 +20,12 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import DecoderSpec, read_spec
+from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec, step_cost
+from engine.runner.recording import RecordingRunner
+from engine.runner.torch_runner import TorchModelRunner
 from loadtests.cpu_accounting import StealMeter, host_info, steal_adjusted
+from loadtests.peaks import measure_device, peak_gemm_flops
 from loadtests.workload import WorkItem, load_workload, resolve_model
-
-
-def peak_gemm_flops(
-    n: int | None = None, reps: int = 10, device: str = "cpu", dtype: str = "float32"
-) -> float:
-    """Best FLOP/s of a large matmul in the engine's dtype over several tries: the practical
-    peak (best, not median, so that a noisy moment does not flatter roofline_frac)."""
-    on_cuda = device.startswith("cuda")
-    n = n or (8192 if on_cuda else 2048)
-    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
-    b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
-    torch.matmul(a, b)
-    times = []
-    for _ in range(reps):
-        if on_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        if on_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times)
 
 
 def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
@@ -65,7 +47,18 @@ def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
     return total
 
 
-def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> dict:
+# The cost model with nothing lost: every step at the better of peak FLOP/s and bandwidth.
+IDEAL = CostParams(
+    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0
+)
+
+
+def run_engine(
+    model_dir: str, items: list[WorkItem], batching: str, args, peaks: GpuSpec | None = None
+) -> dict:
+    """One engine run over `items`. With `peaks`, also `step_bound_s`: the least time this
+    very schedule could take, each step priced at max(FLOPs / peak FLOP/s, bytes / read
+    bandwidth) (weights once per step, every request's KV context read once)."""
     config = EngineConfig(
         model=model_dir,
         device=args.device,
@@ -79,7 +72,8 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
             batching=batching,
         ),
     )
-    engine = LLMEngine(config)
+    runner = RecordingRunner(TorchModelRunner(config))
+    engine = LLMEngine(config, runner=runner)
     for it in items:
         params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
         engine.add_request(it.request_id, it.prompt_token_ids, params)
@@ -94,14 +88,21 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
     if produced != expected:
         raise RuntimeError(f"{batching}: produced {produced} tokens, expected {expected}")
     engine.scheduler.check_integrity()
-    return {
+    result = {
         "tok_s": produced / wall,
         "wall_s": wall,
         "steal_frac": steal.fraction,
-        "outside_forward_frac": 1.0 - engine.runner.forward_seconds / wall,
+        "outside_forward_frac": 1.0 - runner.inner.forward_seconds / wall,
         "steps": engine.scheduler.num_steps_total,
         "preemptions": engine.scheduler.num_preemptions_total,
     }
+    if peaks is not None:
+        dtype_bytes = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+        model = ModelSpec.from_hf_config(model_dir, dtype_bytes=dtype_bytes)
+        result["step_bound_s"] = sum(
+            step_cost(o, model, peaks, IDEAL).seconds for o in runner.outputs
+        )
+    return result
 
 
 def run_shared_prefix(model_dir: str, args, caching: bool, vocab_size: int) -> dict:
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return result
     items = load_workload(args.workload, spec.vocab_size, seed=0, limit=args.num_requests)
-    peak_before = peak_gemm_flops(device=args.device, dtype=args.dtype)
+    peaks = measure_device(args.kv_cache_gb * 2**30, args.device, args.dtype)
     flops = workload_flops(spec, items)
 
     result: dict = {
@@ -276,15 +277,19 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.repeat):
         # One round runs every contender back to back, so its ratios share the machine's mood.
         r: dict = {}
-        cont = run_engine(model_dir, items, "continuous", args)
+        cont = run_engine(model_dir, items, "continuous", args, peaks)
         r["continuous_tok_s"] = cont["tok_s"]
         r["continuous_wall_s"] = cont["wall_s"]
         r["continuous_steal_frac"] = cont["steal_frac"]
         r["outside_forward_frac"] = cont["outside_forward_frac"]
         r["preemptions"] = cont["preemptions"]
         peak_after = peak_gemm_flops(device=args.device, dtype=args.dtype)
-        r["peak_gemm_gflop_s"] = max(peak_before, peak_after) / 1e9
+        r["peak_gemm_gflop_s"] = max(peaks.peak_flops, peak_after) / 1e9
+        r["peak_read_gb_s"] = peaks.mem_bw / 1e9
         r["roofline_frac"] = flops / cont["wall_s"] / (r["peak_gemm_gflop_s"] * 1e9)
+        # The same schedule at the machine's limits, step by step (the peak before the run).
+        r["step_bound_s"] = cont["step_bound_s"]
+        r["step_roofline_frac"] = cont["step_bound_s"] / cont["wall_s"]
         if not args.skip_static:
             static = run_engine(model_dir, items, "static", static_args)
             r["static_tok_s"] = static["tok_s"]
@@ -303,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
             r["hf_static_best_batch_size"] = best
             r["hf_static_steal_frac"] = hf_runs[best]["steal_frac"]
             r["speedup_vs_hf_static"] = r["continuous_tok_s"] / hf[best]
+            # What a perfect implementation of our schedule would reach against this HF run.
+            r["speedup_vs_hf_static_bound"] = r["speedup_vs_hf_static"] / r["step_roofline_frac"]
             r["speedup_vs_hf_static_steal_adjusted"] = r["speedup_vs_hf_static"] * _steal_factor(
                 cont, hf_runs[best]
             )

@@ -25,6 +25,7 @@ from cluster.workload import LengthDist, SimRequest, make_workload
 from engine.core.outputs import SchedulerOutput
 from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec, step_cost
 from engine.runner.recording import RecordingRunner
+from loadtests.peaks import measure_device
 from loadtests.workload import resolve_model
 
 RAW = CostParams(
@@ -38,18 +39,6 @@ class StepSample:
     memory_s: float  # B / W at 100% efficiency
     num_seqs: int
     seconds: float  # measured
-
-
-def measure_device(kv_bytes: int) -> GpuSpec:
-    """This CPU as a 'GPU spec': peak float32 GEMM FLOP/s and streaming read bandwidth."""
-    import torch
-
-    from loadtests.bench_engine import peak_gemm_flops
-
-    x = torch.ones(64 << 20)  # 256 MiB
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return GpuSpec("this-cpu", peak_gemm_flops(), x.numel() * 4 / best, float(kv_bytes))
 
 
 def _timed(fn) -> float:

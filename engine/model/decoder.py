@@ -77,14 +77,15 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         metadata: object,
+        ops: DecoderOps,
     ) -> torch.Tensor:
         """`forward` on feature-major activations ([hidden, T] in and out)."""
-        qkv = torch.mm(self.qkv_proj.weight, x)
+        qkv = ops.mm_fm(self.qkv_proj.weight, x)
         if self.qkv_proj.bias is not None:
             qkv += self.qkv_proj.bias[:, None]
         # Attention works per token: one transpose of q/k/v, then the token-major path.
         out = self.attend(qkv.t().contiguous(), rotate, kv_cache, backend, metadata)
-        return torch.mm(self.o_proj.weight, out.t())
+        return ops.mm_fm(self.o_proj.weight, out.t())
 
     def attend(
         self,
@@ -119,8 +120,8 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
     def forward_fm(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
-        act = ops.silu_mul_fm(torch.mm(self.gate_up_proj.weight, x))
-        return torch.mm(self.down_proj.weight, act)
+        act = ops.silu_mul_fm(ops.mm_fm(self.gate_up_proj.weight, x))
+        return ops.mm_fm(self.down_proj.weight, act)
 
 
 class DecoderLayer(nn.Module):
@@ -201,7 +202,7 @@ class Decoder(nn.Module):
         x = ops.add_rms_norm_fm(h, None, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            a = layer.self_attn.forward_fm(x, rotate, kv_cache, backend, metadata)
+            a = layer.self_attn.forward_fm(x, rotate, kv_cache, backend, metadata, ops)
             x = ops.add_rms_norm_fm(h, a, layer.post_attention_layernorm)
             m = layer.mlp.forward_fm(x, ops)
             if i < last:
@@ -210,7 +211,7 @@ class Decoder(nn.Module):
                 h += m
         h = ops.add_rms_norm_fm(h[:, logits_indices].contiguous(), None, self.norm)
         # A [tokens, vocab] view of the [vocab, tokens] product: the sampler reads it as is.
-        return torch.mm(self.lm_head.weight, h).t()
+        return ops.mm_fm(self.lm_head.weight, h).t()
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Raises ValueError on a

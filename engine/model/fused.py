@@ -22,6 +22,10 @@ from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.native_build import load_native
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
+_GEMM_SOURCE = Path(__file__).with_name("csrc") / "gemm_fm.c"
+# Up to this many tokens the native GEMM beat MKL on the AVX2 host (1.1-2.5x from 4 to 128
+# tokens, even at ~160, 5-10% behind from 200 on: README).
+GEMM_FM_MAX_TOKENS = 160
 _MAX_HEAD_DIM = 512  # the rope kernel's per-row scratch
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -44,11 +48,45 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _load_gemm() -> ctypes.CDLL | None:
+    """The AVX2 feature-major GEMM, or None where it does not apply (no compiler, no AVX2 +
+    FMA, or AVX-512, where MKL's kernels are wider)."""
+    lib = load_native(_GEMM_SOURCE)
+    if lib is None or not lib.gemm_fm_available():
+        return None
+    lib.gemm_fm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+    lib.gemm_fm.restype = None
+    return lib
+
+
 class DecoderOps:
     """`native=False` (or no compiler) always takes the torch path."""
 
     def __init__(self, native: bool = True) -> None:
         self._lib = _load() if native else None
+        self._gemm = _load_gemm() if native else None
+        # Steps of at most this many tokens use the native GEMM where it loads; 0: never.
+        self.gemm_fm_max_tokens = GEMM_FM_MAX_TOKENS
+
+    def mm_fm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`weight @ x` for feature-major x ([in_features, T]) -> [out_features, T]; only
+        where `applies(x)`."""
+        n, k = weight.shape
+        t = x.shape[1]
+        if (
+            self._gemm is None
+            or not 0 < t <= self.gemm_fm_max_tokens
+            or n * k == 0
+            or not weight.is_contiguous()
+        ):
+            return torch.mm(weight, x)
+        x = x.contiguous()
+        out = x.new_empty(n, t)
+        self._gemm.gemm_fm(
+            weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, torch.get_num_threads()
+        )
+        return out
 
     def applies(self, x: torch.Tensor) -> bool:
         return self._lib is not None and x.device.type == "cpu" and x.dtype == torch.float32

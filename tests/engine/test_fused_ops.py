@@ -96,3 +96,49 @@ def test_argmax_of_a_transposed_view_matches_torch_with_ties(rows: int) -> None:
     assert got[0] == (100 if rows > 1 else 4999)
     contiguous = logits.contiguous()
     assert argmax_last_dim(contiguous).tolist() == got.tolist()  # the torch path
+
+
+_GEMM_SHAPES = [
+    # (out features, in features, tokens): row tails of the 6-row tile, column tails of
+    # the 16-column panel, one token, odd and long K (several K slices), a vocab projection.
+    (1280, 768, 37),
+    (768, 2048, 160),
+    (4096, 768, 1),
+    (13, 7, 5),
+    (6, 1001, 16),
+    (16384, 768, 64),
+    (5, 3000, 151),
+]
+
+
+@pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM applies on AVX2 hosts only")
+@pytest.mark.parametrize(("n", "k", "t"), _GEMM_SHAPES)
+def test_native_feature_major_gemm_matches_torch(n: int, k: int, t: int) -> None:
+    torch.manual_seed(n + k + t)
+    weight, x = torch.randn(n, k), torch.randn(k, t)
+    out = NATIVE.mm_fm(weight, x)
+    ref = torch.mm(weight.double(), x.double()).float()
+    assert out.shape == (n, t)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM applies on AVX2 hosts only")
+def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> None:
+    """Each output column is one sequential sum over k: a request's result does not depend
+    on its batch (the oracle's premise, and what makes greedy outputs batch-invariant)."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(1280, 768), torch.randn(768, 150)
+    ops = NATIVE
+    whole = ops.mm_fm(weight, x)
+    for lo, hi in ((0, 1), (3, 20), (17, 150)):
+        assert torch.equal(ops.mm_fm(weight, x[:, lo:hi]), whole[:, lo:hi])
+    # A non-contiguous (transposed) activation and a transposed result view are accepted.
+    assert torch.equal(ops.mm_fm(weight, x.t().contiguous().t()), whole)
+
+
+def test_gemm_past_the_token_limit_and_empty_batches_take_torch() -> None:
+    ops = NATIVE
+    weight = torch.randn(64, 32)
+    for t in (0, ops.gemm_fm_max_tokens + 1):
+        x = torch.randn(32, t)
+        torch.testing.assert_close(ops.mm_fm(weight, x), torch.mm(weight, x))

@@ -36,6 +36,11 @@ def test_bench_engine_json_has_the_promised_keys(tiny_model, capsys):
         assert result[key] > 0, key
     assert result["hf_static_best_batch_size"] in (2, 4)
     assert 0 < result["outside_forward_frac"] < 1
+    # The schedule priced at the machine's peaks is a lower bound of its wall time.
+    assert 0 < result["step_bound_s"] < result["continuous_wall_s"]
+    assert 0 < result["step_roofline_frac"] < 1
+    assert result["peak_read_gb_s"] > 0
+    assert result["speedup_vs_hf_static_bound"] > result["speedup_vs_hf_static"]
     for side in ("continuous", "static", "hf_static"):
         assert 0 <= result[f"{side}_steal_frac"] < 1, side
     assert result["speedup_vs_hf_static_steal_adjusted"] > 0

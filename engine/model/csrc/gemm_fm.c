@@ -1,0 +1,183 @@
+/* out[N, B] = W[N, K] @ X[K, B] for CPU float32 on AVX2 hosts: the feature-major decode
+ * step's GEMMs (weights W row-major as the checkpoint stores them, activations X row-major
+ * [features, tokens], B = tokens from 1 to a few hundred).
+ *
+ * MKL runs these skinny products at 15-70% of the machine's GEMM peak on an AVX2 host
+ * (README). Here X is packed once per call into panels of 16 columns, [B/16][K][16],
+ * zero-padded, and each thread runs a 6 x 16 register tile over the whole K: 12 accumulators
+ * stay in registers, each W element is broadcast once per panel and each X panel row is two
+ * aligned loads, so the inner loop is 12 FMAs against 8 loads. Threads split W's rows.
+ * Every output is the same sequential sum over k whatever B is, so a request's numbers do
+ * not depend on what else is in the batch.
+ *
+ * Only built for AVX2 + FMA without AVX-512 (where MKL's 512-bit kernels are the better
+ * choice): `gemm_fm_available()` says which.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define MR 6
+#define NR 16
+
+int gemm_fm_available(void) { return 1; }
+
+/* Panels of NR columns, [ceil(B / NR)][K][NR], zero beyond column B. */
+static void pack_x(const float *x, int64_t K, int64_t B, float *packed, int num_threads)
+{
+    const int64_t panels = (B + NR - 1) / NR;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (K * B > 32768)
+    for (int64_t k = 0; k < K; ++k) {
+        const float *src = x + k * B;
+        for (int64_t p = 0; p < panels; ++p) {
+            float *dst = packed + (p * K + k) * NR;
+            const int64_t j0 = p * NR, n = B - j0 < NR ? B - j0 : NR;
+            memcpy(dst, src + j0, (size_t)n * sizeof(float));
+            if (n < NR) memset(dst + n, 0, (size_t)(NR - n) * sizeof(float));
+        }
+    }
+}
+
+static inline void store_row(float *out, __m256 lo, __m256 hi, int64_t n)
+{
+    if (n == NR) {
+        _mm256_storeu_ps(out, lo);
+        _mm256_storeu_ps(out + 8, hi);
+        return;
+    }
+    float tmp[NR];
+    _mm256_storeu_ps(tmp, lo);
+    _mm256_storeu_ps(tmp + 8, hi);
+    memcpy(out, tmp, (size_t)n * sizeof(float));
+}
+
+static inline void load_row(const float *out, __m256 *lo, __m256 *hi, int64_t n, int add)
+{
+    if (!add) {
+        *lo = _mm256_setzero_ps();
+        *hi = _mm256_setzero_ps();
+    } else if (n == NR) {
+        *lo = _mm256_loadu_ps(out);
+        *hi = _mm256_loadu_ps(out + 8);
+    } else {
+        float tmp[NR] = {0};
+        memcpy(tmp, out, (size_t)n * sizeof(float));
+        *lo = _mm256_loadu_ps(tmp);
+        *hi = _mm256_loadu_ps(tmp + 8);
+    }
+}
+
+/* Rows 0..5 of w (row stride ldw) over kc values of k against one packed panel slice;
+ * n valid columns; add: accumulate onto out (a later slice of k). */
+static inline void tile_6x16(const float *restrict w, int64_t ldw, int64_t kc,
+                             const float *restrict xp, float *restrict out, int64_t ldo,
+                             int64_t n, int add)
+{
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    load_row(out, &c00, &c01, n, add);
+    load_row(out + ldo, &c10, &c11, n, add);
+    load_row(out + 2 * ldo, &c20, &c21, n, add);
+    load_row(out + 3 * ldo, &c30, &c31, n, add);
+    load_row(out + 4 * ldo, &c40, &c41, n, add);
+    load_row(out + 5 * ldo, &c50, &c51, n, add);
+    const float *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw,
+                *w4 = w + 4 * ldw, *w5 = w + 5 * ldw;
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 x0 = _mm256_load_ps(xp + k * NR);
+        const __m256 x1 = _mm256_load_ps(xp + k * NR + 8);
+        __m256 a = _mm256_broadcast_ss(w0 + k);
+        c00 = _mm256_fmadd_ps(a, x0, c00);
+        c01 = _mm256_fmadd_ps(a, x1, c01);
+        a = _mm256_broadcast_ss(w1 + k);
+        c10 = _mm256_fmadd_ps(a, x0, c10);
+        c11 = _mm256_fmadd_ps(a, x1, c11);
+        a = _mm256_broadcast_ss(w2 + k);
+        c20 = _mm256_fmadd_ps(a, x0, c20);
+        c21 = _mm256_fmadd_ps(a, x1, c21);
+        a = _mm256_broadcast_ss(w3 + k);
+        c30 = _mm256_fmadd_ps(a, x0, c30);
+        c31 = _mm256_fmadd_ps(a, x1, c31);
+        a = _mm256_broadcast_ss(w4 + k);
+        c40 = _mm256_fmadd_ps(a, x0, c40);
+        c41 = _mm256_fmadd_ps(a, x1, c41);
+        a = _mm256_broadcast_ss(w5 + k);
+        c50 = _mm256_fmadd_ps(a, x0, c50);
+        c51 = _mm256_fmadd_ps(a, x1, c51);
+    }
+    store_row(out, c00, c01, n);
+    store_row(out + ldo, c10, c11, n);
+    store_row(out + 2 * ldo, c20, c21, n);
+    store_row(out + 3 * ldo, c30, c31, n);
+    store_row(out + 4 * ldo, c40, c41, n);
+    store_row(out + 5 * ldo, c50, c51, n);
+}
+
+/* The last N % 6 rows, one at a time. */
+static inline void tile_1x16(const float *restrict w, int64_t kc, const float *restrict xp,
+                             float *restrict out, int64_t n, int add)
+{
+    __m256 c0, c1;
+    load_row(out, &c0, &c1, n, add);
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 a = _mm256_broadcast_ss(w + k);
+        c0 = _mm256_fmadd_ps(a, _mm256_load_ps(xp + k * NR), c0);
+        c1 = _mm256_fmadd_ps(a, _mm256_load_ps(xp + k * NR + 8), c1);
+    }
+    store_row(out, c0, c1, n);
+}
+
+/* X's slice of k held in L2 while W's rows stream past it. */
+#define X_SLICE_BYTES (192 * 1024)
+
+void gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+             int num_threads)
+{
+    if (N <= 0 || K <= 0 || B <= 0) return; /* callers pass non-empty shapes */
+    const int64_t panels = (B + NR - 1) / NR;
+    float *packed = aligned_alloc(32, (size_t)(panels * K * NR) * sizeof(float));
+    pack_x(x, K, B, packed, num_threads);
+    int64_t kc_max = X_SLICE_BYTES / (panels * NR * (int64_t)sizeof(float));
+    kc_max = kc_max < 64 ? 64 : kc_max;
+    const int64_t blocks = (N + MR - 1) / MR;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Each thread owns a range of W's rows for every slice of k: no barrier between. */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+            const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
+            const int add = k0 > 0;
+            for (int64_t blk = b0; blk < b1; ++blk) {
+                const int64_t i = blk * MR;
+                for (int64_t p = 0; p < panels; ++p) {
+                    const int64_t j0 = p * NR, n = B - j0 < NR ? B - j0 : NR;
+                    const float *xp = packed + (p * K + k0) * NR;
+                    if (i + MR <= N) {
+                        tile_6x16(w + i * K + k0, K, kc, xp, out + i * B + j0, B, n, add);
+                    } else {
+                        for (int64_t r = i; r < N; ++r)
+                            tile_1x16(w + r * K + k0, kc, xp, out + r * B + j0, n, add);
+                    }
+                }
+            }
+        }
+    }
+    free(packed);
+}
+
+#else
+
+int gemm_fm_available(void) { return 0; }
+
+void gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+             int num_threads)
+{
+    (void)w, (void)x, (void)out, (void)N, (void)K, (void)B, (void)num_threads;
+    abort(); /* callers check gemm_fm_available() first */
+}
+
+#endif
