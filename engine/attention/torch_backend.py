@@ -43,8 +43,9 @@ class TorchAttentionMetadata:
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _sdpa_choice(q: torch.Tensor) -> contextlib.AbstractContextManager:
-    return sdpa_kernel(_CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    with sdpa_kernel(_CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -93,19 +94,6 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        with _sdpa_choice(q):
-            return self._forward(q, k, v, k_cache, v_cache, metadata, scale)
-
-    def _forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: TorchAttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
         m = metadata
         write_kv(k, v, k_cache, v_cache, m.slot_mapping)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -130,7 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
             length = m.decode_mask.shape[-1]
             kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
             vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
-            od = F.scaled_dot_product_attention(
+            od = _sdpa(
                 q[:nd].unsqueeze(2),
                 kd.transpose(1, 2),
                 vd.transpose(1, 2),
@@ -144,13 +132,11 @@ class TorchAttentionBackend(AttentionBackend):
             if p.block_ids is None:
                 ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
-                )
+                oi = _sdpa(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 ki = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
                 vi = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
-                oi = F.scaled_dot_product_attention(
+                oi = _sdpa(
                     qi,
                     ki.transpose(0, 1).unsqueeze(0),
                     vi.transpose(0, 1).unsqueeze(0),
