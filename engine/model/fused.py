@@ -56,7 +56,7 @@ def _load_gemm() -> ctypes.CDLL | None:
     if lib is None or not lib.gemm_fm_available():
         return None
     lib.gemm_fm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-    lib.gemm_fm.restype = None
+    lib.gemm_fm.restype = _int
     return lib
 
 
@@ -83,9 +83,9 @@ class DecoderOps:
             return torch.mm(weight, x)
         x = x.contiguous()
         out = x.new_empty(n, t)
-        self._gemm.gemm_fm(
-            weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, torch.get_num_threads()
-        )
+        threads = torch.get_num_threads()
+        if self._gemm.gemm_fm(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, threads):
+            return torch.mm(weight, x)  # the kernel could not allocate its packing buffer
         return out
 
     def applies(self, x: torch.Tensor) -> bool:

@@ -133,12 +133,15 @@ static inline void tile_1x16(const float *restrict w, int64_t kc, const float *r
 /* X's slice of k held in L2 while W's rows stream past it. */
 #define X_SLICE_BYTES (192 * 1024)
 
-void gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
-             int num_threads)
+/* Returns 0, or -1 (nothing written) for an empty shape or when the packing buffer cannot
+ * be allocated: the caller then computes the product another way. */
+int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+            int num_threads)
 {
-    if (N <= 0 || K <= 0 || B <= 0) return; /* callers pass non-empty shapes */
+    if (N <= 0 || K <= 0 || B <= 0) return -1;
     const int64_t panels = (B + NR - 1) / NR;
     float *packed = aligned_alloc(32, (size_t)(panels * K * NR) * sizeof(float));
+    if (packed == NULL) return -1;
     pack_x(x, K, B, packed, num_threads);
     int64_t kc_max = X_SLICE_BYTES / (panels * NR * (int64_t)sizeof(float));
     kc_max = kc_max < 64 ? 64 : kc_max;
@@ -167,17 +170,18 @@ void gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, i
         }
     }
     free(packed);
+    return 0;
 }
 
 #else
 
 int gemm_fm_available(void) { return 0; }
 
-void gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
-             int num_threads)
+int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+            int num_threads)
 {
     (void)w, (void)x, (void)out, (void)N, (void)K, (void)B, (void)num_threads;
-    abort(); /* callers check gemm_fm_available() first */
+    return -1; /* not built for this CPU: callers check gemm_fm_available() first */
 }
 
 #endif
