@@ -21,7 +21,7 @@ from engine.core.outputs import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import DecoderSpec, read_spec
-from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec, step_cost
+from engine.runner.cost_model import NO_LOSS, GpuSpec, ModelSpec, step_cost
 from engine.runner.recording import RecordingRunner
 from engine.runner.torch_runner import TorchModelRunner
 from loadtests.cpu_accounting import StealMeter, host_info, steal_adjusted
@@ -48,12 +48,6 @@ def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
     return total
 
 
-# The cost model with nothing lost: every step at the better of peak FLOP/s and bandwidth.
-IDEAL = CostParams(
-    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0
-)
-
-
 def schedule_bound_s(
     outputs: list[SchedulerOutput], model_dir: str, dtype: str, peaks: GpuSpec
 ) -> float:
@@ -62,7 +56,7 @@ def schedule_bound_s(
     step and every request's KV context once (the simulator's cost model, nothing lost)."""
     dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     model = ModelSpec.from_hf_config(model_dir, dtype_bytes=dtype_bytes)
-    return sum(step_cost(o, model, peaks, IDEAL).seconds for o in outputs)
+    return sum(step_cost(o, model, peaks, NO_LOSS).seconds for o in outputs)
 
 
 def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> dict:
@@ -96,16 +90,15 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
     if produced != expected:
         raise RuntimeError(f"{batching}: produced {produced} tokens, expected {expected}")
     engine.scheduler.check_integrity()
-    result = {
+    return {
         "tok_s": produced / wall,
         "wall_s": wall,
         "steal_frac": steal.fraction,
         "outside_forward_frac": 1.0 - runner.inner.forward_seconds / wall,
         "steps": engine.scheduler.num_steps_total,
         "preemptions": engine.scheduler.num_preemptions_total,
+        "outputs": runner.outputs,
     }
-    result["outputs"] = runner.outputs
-    return result
 
 
 def run_shared_prefix(model_dir: str, args, caching: bool, vocab_size: int) -> dict:

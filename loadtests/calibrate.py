@@ -16,21 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.simulator import SimConfig, Simulator
 from cluster.workload import LengthDist, SimRequest, make_workload
 from engine.core.outputs import SchedulerOutput
-from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec, step_cost
+from engine.runner.cost_model import NO_LOSS, CostParams, GpuSpec, ModelSpec, step_cost
 from engine.runner.recording import RecordingRunner
-from loadtests.peaks import measure_device
+from loadtests.peaks import measure_device, timed
 from loadtests.workload import resolve_model
-
-RAW = CostParams(
-    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0
-)
 
 
 @dataclass(frozen=True)
@@ -39,12 +34,6 @@ class StepSample:
     memory_s: float  # B / W at 100% efficiency
     num_seqs: int
     seconds: float  # measured
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def run_real(
@@ -75,7 +64,7 @@ def run_real(
             times = []
             while engine.has_unfinished_requests():
                 n = len(runner.outputs)
-                t = _timed(engine.step)
+                t = timed(engine.step)
                 if len(runner.outputs) > n:
                     times.append(t)
             previous = results[k]
@@ -91,7 +80,7 @@ def run_real(
 def samples_of(outputs, times, model: ModelSpec, device: GpuSpec) -> list[StepSample]:
     out = []
     for o, t in zip(outputs, times, strict=True):
-        raw = step_cost(o, model, device, RAW)
+        raw = step_cost(o, model, device, NO_LOSS)
         flops_s = raw.flops / device.peak_flops
         bytes_s = raw.bytes / device.mem_bw
         out.append(StepSample(flops_s, bytes_s, len(o.scheduled), t))

@@ -10,7 +10,8 @@ import torch
 from engine.runner.cost_model import GpuSpec
 
 
-def _timed(fn, device: str) -> float:
+def timed(fn, device: str = "cpu") -> float:
+    """Seconds `fn()` takes, waiting for the device's queued work on CUDA."""
     on_cuda = device.startswith("cuda")
     if on_cuda:
         torch.cuda.synchronize()
@@ -30,14 +31,14 @@ def peak_gemm_flops(
     a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
     torch.matmul(a, b)
-    return 2 * n**3 / min(_timed(lambda: torch.matmul(a, b), device) for _ in range(reps))
+    return 2 * n**3 / min(timed(lambda: torch.matmul(a, b), device) for _ in range(reps))
 
 
 def peak_read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, device: str = "cpu") -> float:
     """Best bytes/s of summing a tensor far larger than the caches."""
     x = torch.ones(nbytes // 4, device=device)
     x.sum()
-    return nbytes / min(_timed(x.sum, device) for _ in range(reps))
+    return nbytes / min(timed(x.sum, device) for _ in range(reps))
 
 
 def measure_device(kv_bytes: float, device: str = "cpu", dtype: str = "float32") -> GpuSpec:

@@ -140,6 +140,12 @@ class CostParams:
     per_token_overhead_s: float = 0.0
 
 
+# Every step at the better of peak FLOP/s and bandwidth, no overhead: a step's roofline bound.
+NO_LOSS = CostParams(
+    flops_efficiency=1.0, bw_efficiency=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0
+)
+
+
 @dataclass(frozen=True)
 class StepCost:
     seconds: float
