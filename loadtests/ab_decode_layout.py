@@ -4,8 +4,9 @@
         [--json]
 
 Variants: `feature_major` (the default build: feature-major decode steps with the native
-GEMM up to its token limit), `feature_major_mkl` (the same layout, every GEMM through
-MKL), `token_major` (no feature-major steps). The default pair is
+GEMM up to its token limit, native prefill attention), `feature_major_mkl` (the same layout,
+every GEMM through MKL), `sdpa_prefill` (the default build with prefill attention through
+torch's SDPA), `token_major` (no feature-major steps). The default pair is
 feature_major,token_major. Two engines (one per variant) run the same requests with the
 same schedule and take turns,
 one step each, so both see the same state of this noisy, shared machine. Prints the time
@@ -20,6 +21,7 @@ import argparse
 import json
 import time
 
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
@@ -29,15 +31,18 @@ from engine.model.loader import read_spec
 from loadtests.cpu_accounting import host_info
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
-# name: (feature_major_max_tokens, gemm_fm_max_tokens)
+# name: (feature_major_max_tokens, gemm_fm_max_tokens, native prefill attention)
 VARIANTS = {
-    "feature_major": (FEATURE_MAJOR_MAX_TOKENS, GEMM_FM_MAX_TOKENS),
-    "feature_major_mkl": (FEATURE_MAJOR_MAX_TOKENS, 0),
-    "token_major": (0, 0),
+    "feature_major": (FEATURE_MAJOR_MAX_TOKENS, GEMM_FM_MAX_TOKENS, True),
+    "feature_major_mkl": (FEATURE_MAJOR_MAX_TOKENS, 0, True),
+    "sdpa_prefill": (FEATURE_MAJOR_MAX_TOKENS, GEMM_FM_MAX_TOKENS, False),
+    "token_major": (0, 0, True),
 }
 
 
-def _engine(model_dir: str, items: list[WorkItem], variant: tuple[int, int], args) -> LLMEngine:
+def _engine(
+    model_dir: str, items: list[WorkItem], variant: tuple[int, int, bool], args
+) -> LLMEngine:
     config = EngineConfig(
         model=model_dir,
         cache=CacheConfig(
@@ -52,7 +57,9 @@ def _engine(model_dir: str, items: list[WorkItem], variant: tuple[int, int], arg
     )
     engine = LLMEngine(config)
     model = engine.runner.model
-    model.feature_major_max_tokens, model.ops.gemm_fm_max_tokens = variant
+    model.feature_major_max_tokens, model.ops.gemm_fm_max_tokens, native_prefill = variant
+    if not native_prefill:
+        engine.runner.backend = TorchAttentionBackend(native_prefill=False)
     for it in items:
         params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
         engine.add_request(it.request_id, it.prompt_token_ids, params)

@@ -11,9 +11,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.base import AttentionBackend, BatchLayout, write_kv
 from engine.attention.native import (
+    PrefillChunks,
     load_native_decode,
+    load_native_prefill,
     native_decode_supported,
+    native_prefill_supported,
     paged_decode_attention,
+    paged_prefill_attention,
 )
 
 
@@ -36,6 +40,7 @@ class TorchAttentionMetadata:
     # (the native kernel reads seq_lens), at most once per step.
     decode_mask: torch.Tensor | None
     prefills: list[_Prefill]
+    native_prefills: PrefillChunks | None  # the same chunks for the native kernel (CPU)
 
 
 # cuDNN's SDPA builds an execution plan per new shape (about 2.3 ms of CPU per call on an
@@ -51,13 +56,16 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
 class TorchAttentionBackend(AttentionBackend):
     """Decodes: one batched call. On CPU in float32 that is a native kernel that reads K/V
     straight from the paged cache (`native_decode=True`, the default, where it builds);
-    otherwise SDPA over a padded gather of their blocks (the reference). Prefill chunks: one
-    SDPA call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
+    otherwise SDPA over a padded gather of their blocks (the reference). Prefill chunks: on
+    CPU in float32 with AVX2, one native flash-style call for all of them, reading the
+    cache (`native_prefill=True`); otherwise one SDPA call each, causal over the fresh chunk,
+    or masked over cache + chunk when resuming (the reference)."""
 
     name = "torch"
 
-    def __init__(self, native_decode: bool = True) -> None:
+    def __init__(self, native_decode: bool = True, native_prefill: bool = True) -> None:
         self._native = load_native_decode() if native_decode else None
+        self._native_prefill = load_native_prefill() if native_prefill else None
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -82,7 +90,18 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(seq_len, device=device)
             mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb], mask))
-        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, seq_lens, None, prefills)
+        native = None
+        if prefills and self._native_prefill is not None and device.type == "cpu":
+            rows = range(nd, len(layout.seq_lens))
+            native = PrefillChunks(
+                q_start=torch.tensor([layout.query_start_loc[i] for i in rows]),
+                num_tokens=torch.tensor([p.end - p.start for p in prefills]),
+                num_cached=torch.tensor([layout.num_computed[i] for i in rows]),
+                block_table=layout.block_table[nd:].contiguous(),
+            )
+        return TorchAttentionMetadata(
+            layout.slot_mapping, nd, dbt, seq_lens, None, prefills, native
+        )
 
     def forward(
         self,
@@ -127,6 +146,14 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[:nd] = od.squeeze(2)
+        if (
+            m.native_prefills is not None
+            and native_prefill_supported(q, k_cache)
+            and paged_prefill_attention(
+                self._native_prefill, q, k_cache, v_cache, m.native_prefills, out, scale
+            )
+        ):
+            return out
         for p in m.prefills:
             qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
             if p.block_ids is None:

@@ -1,7 +1,8 @@
 """The attention backend contract, checked against dense per-request attention.
 
-Both torch paths (native CPU decode kernel and the pure-torch reference) must write the new
-K/V into the right cache slots and return causal attention over each request's whole context.
+Both torch paths (the native CPU decode and prefill kernels, and the pure-torch reference)
+must write the new K/V into the right cache slots and return causal attention over each
+request's whole context.
 A flash-attn backend will be held to this same test on GPU.
 """
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import BatchLayout
-from engine.attention.native import load_native_decode
+from engine.attention.native import load_native_decode, load_native_prefill
 from engine.attention.torch_backend import TorchAttentionBackend
 
 
@@ -87,12 +88,37 @@ def test_backend_matches_dense_attention_and_fills_the_cache(
     layout, q, k, v, k_cache, v_cache, contexts = make_case(
         3, num_heads, num_kv_heads, head_dim, block_size, shapes
     )
-    backend = TorchAttentionBackend(native_decode=native)
-    scale = head_dim**-0.5
+    backend = TorchAttentionBackend(native_decode=native, native_prefill=native)
+    _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts)
+
+
+def _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts):
+    scale = q.shape[-1] ** -0.5
     out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(layout), scale)
     for i, (ctx_k, ctx_v) in enumerate(contexts):
         start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
         want = dense_reference(q[start:end], ctx_k, ctx_v, scale)
         torch.testing.assert_close(out[start:end], want, atol=2e-5, rtol=1e-4)
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     torch.testing.assert_close(flat_k[layout.slot_mapping], k)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(12, 4, 64, 16), (8, 1, 32, 16), (8, 8, 128, 8), (6, 2, 48, 5)],
+)
+def test_native_prefill_on_long_chunks(num_heads, num_kv_heads, head_dim, block_size):
+    """Chunks longer than one task's rows and one softmax step (tiles split across tasks,
+    partial tiles, keys past a step's end), fresh and after a cached prefix, with q a strided
+    view of a fused q/k tensor as the decoder passes it."""
+    if load_native_prefill() is None:
+        pytest.skip("no C compiler or no AVX2 + FMA here")
+    shapes = [(0, 1), (70, 1), (0, 333), (200, 130), (0, 65), (31, 97)]
+    layout, q, k, v, k_cache, v_cache, contexts = make_case(
+        5, num_heads, num_kv_heads, head_dim, block_size, shapes
+    )
+    fused = torch.cat([q, torch.randn(q.shape[0], num_kv_heads, head_dim)], 1)
+    q_view = fused[:, :num_heads]
+    assert not q_view.is_contiguous()
+    backend = TorchAttentionBackend()
+    _check_against_dense(backend, layout, q_view, k, v, k_cache, v_cache, contexts)
