@@ -13,7 +13,7 @@ from engine.core.config import CacheConfig, EngineConfig
 from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.model.decoder import Decoder
 from engine.model.loader import DecoderSpec, load_state_dict, read_spec
-from engine.runner.malloc_tuning import keep_freed_memory_in_heap
+from engine.runner.malloc_tuning import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.sampler import Sampler
 
 
@@ -46,13 +46,7 @@ class TorchModelRunner:
         self.block_size = config.cache.block_size
         self._num_blocks = self._size_cache(config.cache)
         shape = (self._num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
         # Swap preemption: the same layout in host memory (pinned when the cache is on a GPU).
         self._num_host_blocks = 0
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -72,6 +66,11 @@ class TorchModelRunner:
         self.sampler = Sampler(config.seed)
         # Seconds inside the model forward, for the benchmark's overhead figure.
         self.forward_seconds = 0.0
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ ModelRunner API
     def num_kv_blocks(self) -> int:
