@@ -29,9 +29,9 @@ def load_native_decode() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.paged_decode_attention
         fn.restype = None
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
-        )
+        ptr = ctypes.c_void_p
+        fn.argtypes = [ptr, ctypes.c_int64] + [ptr] * 5 + [ctypes.c_int] * 6
+        fn.argtypes += [ctypes.c_float] + [ctypes.c_int] * 2
     return lib
 
 
@@ -41,23 +41,27 @@ def native_decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(
     lib: ctypes.CDLL,
-    q: torch.Tensor,  # [B, H, D]
+    q: torch.Tensor,  # [B, H, D], rows may be strided (a view of a fused q/k tensor)
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [B, max_blocks] int64
     seq_lens: torch.Tensor,  # [B] int64
     scale: float,
+    out: torch.Tensor | None = None,  # [B, H, D] contiguous, written in place
 ) -> torch.Tensor:
-    q = q.contiguous()
-    block_table = block_table.contiguous()
-    out = torch.empty_like(q)
     b, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    block_table = block_table.contiguous()
+    if out is None:
+        out = q.new_empty(b, h, d)
     _, block_size, hkv, _ = k_cache.shape
     threads = torch.get_num_threads()
     # Whole rows per task when there are enough sequences to keep every thread busy.
     heads_per_task = hkv if b >= 4 * threads else 1
     lib.paged_decode_attention(
         q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_table.data_ptr(),

@@ -119,7 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = m.num_decodes
         if nd and self._native is not None and native_decode_supported(q, k_cache):
-            out[:nd] = paged_decode_attention(
+            paged_decode_attention(
                 self._native,
                 q[:nd],
                 k_cache,
@@ -127,6 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
                 m.decode_block_table,
                 m.decode_seq_lens,
                 scale,
+                out=out[:nd],
             )
         elif nd:
             if m.decode_mask is None:

@@ -55,7 +55,7 @@ def _load_gemm() -> ctypes.CDLL | None:
     lib = load_native(_GEMM_SOURCE)
     if lib is None or not lib.gemm_fm_available():
         return None
-    lib.gemm_fm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
+    lib.gemm_fm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]
     lib.gemm_fm.restype = _int
     return lib
 
@@ -81,10 +81,14 @@ class DecoderOps:
             or not weight.is_contiguous()
         ):
             return torch.mm(weight, x)
-        x = x.contiguous()
+        # A transposed token-major x (attention's output) is read as is: packing transposes.
+        transposed = not x.is_contiguous() and x.t().is_contiguous()
+        if not transposed:
+            x = x.contiguous()
         out = x.new_empty(n, t)
         threads = torch.get_num_threads()
-        if self._gemm.gemm_fm(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, threads):
+        ptrs = (weight.data_ptr(), x.data_ptr(), out.data_ptr())
+        if self._gemm.gemm_fm(*ptrs, n, k, t, int(transposed), threads):
             return torch.mm(weight, x)  # the kernel could not allocate its packing buffer
         return out
 

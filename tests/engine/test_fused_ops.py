@@ -113,9 +113,13 @@ _GEMM_SHAPES = [
 
 @pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM applies on AVX2 hosts only")
 @pytest.mark.parametrize(("n", "k", "t"), _GEMM_SHAPES)
-def test_native_feature_major_gemm_matches_torch(n: int, k: int, t: int) -> None:
+@pytest.mark.parametrize("token_major", [False, True])
+def test_native_feature_major_gemm_matches_torch(n: int, k: int, t: int, token_major) -> None:
+    """x feature-major, or the transposed view of a token-major [t, k] tensor (attention's
+    output, which the kernel packs without a copy first)."""
     torch.manual_seed(n + k + t)
-    weight, x = torch.randn(n, k), torch.randn(k, t)
+    weight = torch.randn(n, k)
+    x = torch.randn(t, k).t() if token_major else torch.randn(k, t)
     out = NATIVE.mm_fm(weight, x)
     ref = torch.mm(weight.double(), x.double()).float()
     assert out.shape == (n, t)

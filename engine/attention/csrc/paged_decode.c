@@ -73,7 +73,8 @@ static inline __attribute__((always_inline)) void decode_task(
 }
 
 void paged_decode_attention(
-    const float *q,             /* [B, H, D] */
+    const float *q,             /* [B, H, D], token rows q_stride floats apart */
+    int64_t q_stride,
     const float *k_cache,       /* [num_blocks, block_size, Hkv, D] */
     const float *v_cache,       /* same */
     const int64_t *block_table, /* [B, max_blocks] */
@@ -92,17 +93,19 @@ void paged_decode_attention(
         const int nh = heads_per_task * G; /* query heads of this task */
         const int64_t L = seq_lens[b];
         const int64_t *bt = block_table + (int64_t)b * max_blocks;
-        const int64_t offset = ((int64_t)b * H + (int64_t)h0 * G) * D;
+        const int64_t head_offset = (int64_t)h0 * G * D;
+        const float *qb = q + (int64_t)b * q_stride + head_offset;
+        float *ob = out + (int64_t)b * H * D + head_offset;
         float *scores = (float *)malloc(sizeof(float) * (size_t)nh * (size_t)L);
         float *acc = (float *)malloc(sizeof(float) * (size_t)nh * (size_t)D);
         if (D == 64)
-            decode_task(q + offset, k_cache, v_cache, bt, L, out + offset, h0, nh, G,
+            decode_task(qb, k_cache, v_cache, bt, L, ob, h0, nh, G,
                         token_stride, block_size, scale, scores, acc, 64);
         else if (D == 128)
-            decode_task(q + offset, k_cache, v_cache, bt, L, out + offset, h0, nh, G,
+            decode_task(qb, k_cache, v_cache, bt, L, ob, h0, nh, G,
                         token_stride, block_size, scale, scores, acc, 128);
         else
-            decode_task(q + offset, k_cache, v_cache, bt, L, out + offset, h0, nh, G,
+            decode_task(qb, k_cache, v_cache, bt, L, ob, h0, nh, G,
                         token_stride, block_size, scale, scores, acc, D);
         free(scores);
         free(acc);

@@ -26,10 +26,29 @@
 
 int gemm_fm_available(void) { return 1; }
 
-/* Panels of NR columns, [ceil(B / NR)][K][NR], zero beyond column B. */
-static void pack_x(const float *x, int64_t K, int64_t B, float *packed, int num_threads)
+/* Panels of NR columns, [ceil(B / NR)][K][NR], zero beyond column B. x is X itself
+ * ([K, B], feature-major) or, with x_transposed, X's transpose ([B, K], token-major): the
+ * packing copy transposes it for free instead of a separate copy before the call. */
+static void pack_x(const float *x, int64_t K, int64_t B, int x_transposed, float *packed,
+                   int num_threads)
 {
     const int64_t panels = (B + NR - 1) / NR;
+    if (x_transposed) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (K * B > 32768)
+        for (int64_t p = 0; p < panels; ++p) {
+            float *dst = packed + p * K * NR;
+            const int64_t j0 = p * NR, n = B - j0 < NR ? B - j0 : NR;
+            for (int64_t j = 0; j < NR; ++j) {
+                if (j < n) {
+                    const float *src = x + (j0 + j) * K;
+                    for (int64_t k = 0; k < K; ++k) dst[k * NR + j] = src[k];
+                } else {
+                    for (int64_t k = 0; k < K; ++k) dst[k * NR + j] = 0.f;
+                }
+            }
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (K * B > 32768)
     for (int64_t k = 0; k < K; ++k) {
         const float *src = x + k * B;
@@ -136,13 +155,13 @@ static inline void tile_1x16(const float *restrict w, int64_t kc, const float *r
 /* Returns 0, or -1 (nothing written) for an empty shape or when the packing buffer cannot
  * be allocated: the caller then computes the product another way. */
 int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
-            int num_threads)
+            int x_transposed, int num_threads)
 {
     if (N <= 0 || K <= 0 || B <= 0) return -1;
     const int64_t panels = (B + NR - 1) / NR;
     float *packed = aligned_alloc(32, (size_t)(panels * K * NR) * sizeof(float));
     if (packed == NULL) return -1;
-    pack_x(x, K, B, packed, num_threads);
+    pack_x(x, K, B, x_transposed, packed, num_threads);
     int64_t kc_max = X_SLICE_BYTES / (panels * NR * (int64_t)sizeof(float));
     kc_max = kc_max < 64 ? 64 : kc_max;
     const int64_t blocks = (N + MR - 1) / MR;
@@ -178,9 +197,10 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
 int gemm_fm_available(void) { return 0; }
 
 int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
-            int num_threads)
+            int x_transposed, int num_threads)
 {
-    (void)w, (void)x, (void)out, (void)N, (void)K, (void)B, (void)num_threads;
+    (void)w, (void)x, (void)out, (void)N, (void)K, (void)B, (void)x_transposed;
+    (void)num_threads;
     return -1; /* not built for this CPU: callers check gemm_fm_available() first */
 }
 
