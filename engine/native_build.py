@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -20,12 +21,32 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "native"
+# Headers shared by several kernels (`#include "name.h"`).
+INCLUDE_DIR = Path(__file__).resolve().parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS += [f"-I{INCLUDE_DIR}"]
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _source_with_headers(source_path: Path) -> bytes:
+    """The source and the local headers it includes (one level): what the build depends on,
+    so that editing a shared header rebuilds every kernel that uses it."""
+    source = source_path.read_bytes()
+    parts = [source]
+    for name in _LOCAL_INCLUDE.findall(source):
+        for folder in (source_path.parent, INCLUDE_DIR):
+            header = folder / name.decode()
+            if header.is_file():
+                parts.append(header.read_bytes())
+                break
+    return b"\0".join(parts)
+
+
 _loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 
 def _build(source_path: Path, flags: list[str]) -> Path:
-    source = source_path.read_bytes()
+    source = _source_with_headers(source_path)
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = BUILD_DIR / f"{source_path.stem}-{digest}.so"
     if target.exists():

@@ -6,12 +6,13 @@
  * prompt (done = 0) and a chunk that resumes after a cached prefix.
  *
  * Flash-attention style: a task is one request, one kv head and a tile of query positions,
- * with the kv head's query heads (GQA) stacked as rows. It packs the keys it needs
- * transposed, [key block][D][16], so that S = Q K^T runs a 6 x 16 register tile (12 FMAs per
- * 8 loads, as in a GEMM); then an online softmax per row and O += P V with the same tile
- * shape. torch's SDPA measured 45-65 GFLOP/s on these shapes on a 2-core AVX2 host.
- * Tasks are spread over threads with OpenMP. `paged_prefill_available()` says whether this
- * build has the kernel (AVX2 + FMA, head_dim a multiple of 16).
+ * with the kv head's query heads (GQA) stacked as rows. It packs its queries (scaled) and
+ * the keys it needs, transposed as [key block][D][16], so that S = Q K^T runs the native
+ * GEMM's 6 x 16 register tile (engine/csrc/tile_6x16.h); then an online softmax per row and
+ * O += P V with the same tile shape. torch's SDPA measured 45-65 GFLOP/s on these shapes
+ * on a 2-core AVX2 host, this kernel about 100. Tasks are spread over threads with
+ * OpenMP. `paged_prefill_available()` says whether this build has the kernel (AVX2 + FMA;
+ * the caller also needs head_dim a multiple of 16).
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,10 +20,9 @@
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "tile_6x16.h" /* MR = 6 query rows per register tile */
 
-#define MR 6  /* query rows per register tile */
-#define KB 16 /* keys per packed block */
+#define KB NR /* keys per packed block: the tile's 16 columns */
 #define KW 32 /* keys per online-softmax step: two packed blocks (16 and 64 were slower) */
 /* "No score yet" and masked scores: finite, since -ffast-math assumes no infinities. */
 #define NEG_BIG (-1e30f)
@@ -95,48 +95,9 @@ static void pack_keys(const float *k_cache, const int64_t *bt, int64_t L, int bl
 /* The MR query rows of one register tile (a task's rows are position-major: row m is query
  * head g * G + m % G at chunk position r0 + m / G). */
 typedef struct {
-    const float *q[MR];
     int64_t pos[MR]; /* each row's position in the request (its last visible key) */
     int live;        /* rows of this tile that are real (the rest repeat the last) */
 } tile_rows;
-
-/* S[r][0..15] = scale * Q[r] . K[key0 + j] for one packed key block (raw, unmasked). */
-static inline void scores_6x16(const tile_rows *tr, const float *restrict kt, int D,
-                               float scale, float *restrict s, int ld)
-{
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *q0 = tr->q[0], *q1 = tr->q[1], *q2 = tr->q[2], *q3 = tr->q[3],
-                *q4 = tr->q[4], *q5 = tr->q[5];
-    for (int d = 0; d < D; ++d) {
-        const __m256 k0 = _mm256_load_ps(kt + d * KB), k1 = _mm256_load_ps(kt + d * KB + 8);
-        __m256 a = _mm256_broadcast_ss(q0 + d);
-        c00 = _mm256_fmadd_ps(a, k0, c00);
-        c01 = _mm256_fmadd_ps(a, k1, c01);
-        a = _mm256_broadcast_ss(q1 + d);
-        c10 = _mm256_fmadd_ps(a, k0, c10);
-        c11 = _mm256_fmadd_ps(a, k1, c11);
-        a = _mm256_broadcast_ss(q2 + d);
-        c20 = _mm256_fmadd_ps(a, k0, c20);
-        c21 = _mm256_fmadd_ps(a, k1, c21);
-        a = _mm256_broadcast_ss(q3 + d);
-        c30 = _mm256_fmadd_ps(a, k0, c30);
-        c31 = _mm256_fmadd_ps(a, k1, c31);
-        a = _mm256_broadcast_ss(q4 + d);
-        c40 = _mm256_fmadd_ps(a, k0, c40);
-        c41 = _mm256_fmadd_ps(a, k1, c41);
-        a = _mm256_broadcast_ss(q5 + d);
-        c50 = _mm256_fmadd_ps(a, k0, c50);
-        c51 = _mm256_fmadd_ps(a, k1, c51);
-    }
-    const __m256 sc = _mm256_set1_ps(scale);
-    const __m256 lo[MR] = {c00, c10, c20, c30, c40, c50};
-    const __m256 hi[MR] = {c01, c11, c21, c31, c41, c51};
-    for (int r = 0; r < MR; ++r) {
-        _mm256_storeu_ps(s + r * ld, _mm256_mul_ps(lo[r], sc));
-        _mm256_storeu_ps(s + r * ld + 8, _mm256_mul_ps(hi[r], sc));
-    }
-}
 
 /* Key key0 + 8 c + lane is visible to a row at `pos` when it is not past it. */
 static inline __m256 visible(int64_t pos, int64_t key0, int c)
@@ -230,18 +191,21 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
     const int rows = (int)(r1 - r0) * G;
     const int64_t L = done + r1; /* keys any row of the task sees */
     const int64_t blocks = (L + KB - 1) / KB;
-    float *packed = scratch;                     /* blocks * D * KB */
-    float *o = packed + blocks * D * KB;         /* rows * D */
+    float *packed = scratch;             /* blocks * D * KB */
+    float *o = packed + blocks * D * KB; /* rows * D */
     float *m = o + (int64_t)rows * D, *l = m + rows;
-    float *p = l + rows;                         /* MR * KW, then MR * D of sink */
-    int64_t *q_off = (int64_t *)(p + MR * KW + MR * D), *pos = q_off + rows;
+    float *p = l + rows;                 /* MR * KW, then MR * D of sink */
+    float *qs = p + MR * KW + MR * D;    /* (rows + MR) * D: scaled queries, zero padding */
+    int64_t *pos = (int64_t *)(qs + (int64_t)(rows + MR) * D);
     pack_keys(k_cache, bt, L, block_size, token_stride, g, D, packed);
     memset(o, 0, sizeof(float) * (size_t)rows * (size_t)D);
+    memset(qs + (int64_t)rows * D, 0, sizeof(float) * MR * (size_t)D);
     for (int r = 0; r < rows; ++r) {
         m[r] = NEG_BIG;
         l[r] = 0.f;
         /* Rows are position-major: row r is query head g * G + r % G at r0 + r / G. */
-        q_off[r] = (r0 + r / G) * q_stride + (int64_t)(g * G + r % G) * D;
+        const float *qr = q + (r0 + r / G) * q_stride + (int64_t)(g * G + r % G) * D;
+        for (int d = 0; d < D; ++d) qs[(int64_t)r * D + d] = qr[d] * scale;
         pos[r] = done + r0 + r / G;
     }
     const float *v_rows[KW];
@@ -258,13 +222,13 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
             tr.live = live;
             for (int r = 0; r < MR; ++r) {
                 const int row = t0 + (r < live ? r : live - 1);
-                tr.q[r] = q + q_off[row];
                 tr.pos[r] = pos[row];
                 o_rows[r] = o + (int64_t)row * D;
             }
+            /* S = (scale Q) K^T, one packed block of 16 keys at a time. */
             const float *kt = packed + key0 * D;
             for (int b = 0; b * KB < n; ++b)
-                scores_6x16(&tr, kt + b * D * KB, D, scale, p + b * KB, KW);
+                tile_6x16(qs + (int64_t)t0 * D, D, D, kt + b * D * KB, p + b * KB, KW, KB, 0);
             softmax_step(&tr, key0, p, m + t0, l + t0, o_rows, D);
             if (live < MR) {
                 /* Padding rows repeat the last live row: give them a private sink. */
@@ -299,7 +263,8 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cac
         if (done[c] + n[c] > max_keys) max_keys = done[c] + n[c];
     }
     const int64_t scratch_floats = ((max_keys + KW - 1) / KW) * D * KW +
-                                   (int64_t)rows_per_task * G * (D + 2 + 4) + MR * KW + MR * D;
+                                   (int64_t)rows_per_task * G * (2 * D + 4) + MR * KW +
+                                   2 * MR * D;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
