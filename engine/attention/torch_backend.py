@@ -27,7 +27,9 @@ class _Prefill:
     end: int
     seq_len: int  # cache length after this step
     block_ids: torch.Tensor | None  # None when nothing was cached before: attend to fresh k/v
-    mask: torch.Tensor | None  # [n, seq_len] bool when part of the context is cached
+    # [n, seq_len] bool when part of the context is cached; built by the reference path on
+    # first use (the native kernel needs none), at most once per step.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,13 +85,10 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
             done, seq_len = layout.num_computed[i], layout.seq_lens[i]
             if done == 0:
-                prefills.append(_Prefill(start, end, seq_len, None, None))
+                prefills.append(_Prefill(start, end, seq_len, None))
                 continue
             nb = -(-seq_len // bs)
-            q_pos = torch.arange(done, seq_len, device=device)
-            k_pos = torch.arange(seq_len, device=device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb], mask))
+            prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb]))
         native = None
         if prefills and self._native_prefill is not None and device.type == "cpu":
             rows = range(nd, len(layout.seq_lens))
@@ -162,6 +161,10 @@ class TorchAttentionBackend(AttentionBackend):
                 vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 oi = _sdpa(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
+                if p.mask is None:
+                    k_pos = torch.arange(p.seq_len, device=q.device)
+                    q_pos = k_pos[p.seq_len - (p.end - p.start) :]
+                    p.mask = k_pos[None, :] <= q_pos[:, None]
                 ki = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
                 vi = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
                 oi = _sdpa(
