@@ -1,17 +1,19 @@
 """Build a C source into a shared library on first use and load it with ctypes.
 
 No torch headers and no build step at install time: a plain C file becomes a shared library
-in `build/native/` (keyed by the source's hash) in about a second. `load_native(path)` returns
-None where no compiler is available or `DYNABATCH_NATIVE_KERNELS=0`; every caller then keeps
-its pure-torch path.
+in `build/native/` (keyed by the source's hash and the host CPU) in about a second.
+`load_native(path)` returns None where no compiler is available or
+`DYNABATCH_NATIVE_KERNELS=0`; every caller then keeps its pure-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -42,12 +44,26 @@ def _source_with_headers(source_path: Path) -> bytes:
     return b"\0".join(parts)
 
 
+@functools.cache
+def _host_cpu() -> bytes:
+    """What `-march=native` compiles for: the CPU's model and feature flags. A checkout on a
+    filesystem shared by hosts of different CPUs (or carried to another machine) must not
+    load a library built for instructions this CPU lacks."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine().encode() + platform.processor().encode()
+    keep = ("vendor_id", "cpu family", "model", "flags")
+    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in keep]
+    return "\n".join(dict.fromkeys(lines)).encode()  # the first CPU's lines, once each
+
+
 _loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 
 def _build(source_path: Path, flags: list[str]) -> Path:
     source = _source_with_headers(source_path)
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode() + _host_cpu()).hexdigest()[:16]
     target = BUILD_DIR / f"{source_path.stem}-{digest}.so"
     if target.exists():
         return target

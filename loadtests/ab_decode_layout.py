@@ -26,16 +26,16 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.decoder import FEATURE_MAJOR_MAX_TOKENS
-from engine.model.fused import GEMM_FM_MAX_TOKENS
 from engine.model.loader import read_spec
 from loadtests.cpu_accounting import host_info
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
-# name: (feature_major_max_tokens, gemm_fm_max_tokens, native prefill attention)
+# name: (feature_major_max_tokens, gemm_fm_max_tokens (None: this host's default), native
+# prefill attention)
 VARIANTS = {
-    "feature_major": (FEATURE_MAJOR_MAX_TOKENS, GEMM_FM_MAX_TOKENS, True),
+    "feature_major": (FEATURE_MAJOR_MAX_TOKENS, None, True),
     "feature_major_mkl": (FEATURE_MAJOR_MAX_TOKENS, 0, True),
-    "sdpa_prefill": (FEATURE_MAJOR_MAX_TOKENS, GEMM_FM_MAX_TOKENS, False),
+    "sdpa_prefill": (FEATURE_MAJOR_MAX_TOKENS, None, False),
     "token_major": (0, 0, True),
 }
 
@@ -57,7 +57,9 @@ def _engine(
     )
     engine = LLMEngine(config)
     model = engine.runner.model
-    model.feature_major_max_tokens, model.ops.gemm_fm_max_tokens, native_prefill = variant
+    model.feature_major_max_tokens, gemm_fm_max_tokens, native_prefill = variant
+    if gemm_fm_max_tokens is not None:
+        model.ops.gemm_fm_max_tokens = gemm_fm_max_tokens
     if not native_prefill:
         engine.runner.backend = TorchAttentionBackend(native_prefill=False)
     for it in items:

@@ -24,8 +24,9 @@ from engine.native_build import load_native
 _SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
 _GEMM_SOURCE = Path(__file__).with_name("csrc") / "gemm_fm.c"
 # Up to this many tokens the native GEMM beat MKL on the AVX2 host (1.1-2.5x from 4 to 128
-# tokens, even at ~160, 5-10% behind from 200 on: README).
-GEMM_FM_MAX_TOKENS = 160
+# tokens, even at ~160, 5-10% behind from 200 on: README). On AVX-512 hosts it is the
+# AVX-512 build against MKL's AVX2 kernels: ahead at every size (README).
+GEMM_FM_MAX_TOKENS = {2: 160, 512: 1 << 30}
 _MAX_HEAD_DIM = 512  # the rope kernel's per-row scratch
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -50,10 +51,10 @@ def _load() -> ctypes.CDLL | None:
 
 @functools.cache
 def _load_gemm() -> ctypes.CDLL | None:
-    """The AVX2 feature-major GEMM, or None where it does not apply (no compiler, no AVX2 +
-    FMA, or AVX-512, where MKL's kernels are wider)."""
+    """The feature-major GEMM (AVX2 + FMA or AVX-512 build), or None where it does not apply
+    (no compiler, neither ISA)."""
     lib = load_native(_GEMM_SOURCE)
-    if lib is None or not lib.gemm_fm_available():
+    if lib is None or not lib.gemm_fm_isa():
         return None
     lib.gemm_fm.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]
     lib.gemm_fm.restype = _int
@@ -67,7 +68,7 @@ class DecoderOps:
         self._lib = _load() if native else None
         self._gemm = _load_gemm() if native else None
         # Steps of at most this many tokens use the native GEMM where it loads; 0: never.
-        self.gemm_fm_max_tokens = GEMM_FM_MAX_TOKENS
+        self.gemm_fm_max_tokens = GEMM_FM_MAX_TOKENS[self._gemm.gemm_fm_isa()] if self._gemm else 0
 
     def mm_fm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`weight @ x` for feature-major x ([in_features, T]) -> [out_features, T]; only

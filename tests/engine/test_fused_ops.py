@@ -99,19 +99,23 @@ def test_argmax_of_a_transposed_view_matches_torch_with_ties(rows: int) -> None:
 
 
 _GEMM_SHAPES = [
-    # (out features, in features, tokens): row tails of the 6-row tile, column tails of
-    # the 16-column panel, one token, odd and long K (several K slices), a vocab projection.
+    # (out features, in features, tokens): row tails of the 6-, 8- and 16-row tiles, column
+    # tails of the 16- and 32-column panels (AVX-512: narrow up to 16 tokens, wide from 17),
+    # one token, odd and long K (several K slices), a vocab projection, several chunks of
+    # panels (a prefill step).
     (1280, 768, 37),
     (768, 2048, 160),
     (4096, 768, 1),
     (13, 7, 5),
     (6, 1001, 16),
+    (21, 300, 17),
     (16384, 768, 64),
     (5, 3000, 151),
+    (29, 2500, 700),
 ]
 
 
-@pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM applies on AVX2 hosts only")
+@pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM: AVX2 + FMA or AVX-512 hosts")
 @pytest.mark.parametrize(("n", "k", "t"), _GEMM_SHAPES)
 @pytest.mark.parametrize("token_major", [False, True])
 def test_native_feature_major_gemm_matches_torch(n: int, k: int, t: int, token_major) -> None:
@@ -126,15 +130,15 @@ def test_native_feature_major_gemm_matches_torch(n: int, k: int, t: int, token_m
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * k**0.5)
 
 
-@pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM applies on AVX2 hosts only")
+@pytest.mark.skipif(not NATIVE._gemm, reason="native GEMM: AVX2 + FMA or AVX-512 hosts")
 def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> None:
     """Each output column is one sequential sum over k: a request's result does not depend
     on its batch (the oracle's premise, and what makes greedy outputs batch-invariant)."""
     torch.manual_seed(0)
-    weight, x = torch.randn(1280, 768), torch.randn(768, 150)
+    weight, x = torch.randn(1280, 768), torch.randn(768, 300)
     ops = NATIVE
     whole = ops.mm_fm(weight, x)
-    for lo, hi in ((0, 1), (3, 20), (17, 150)):
+    for lo, hi in ((0, 1), (3, 20), (17, 150), (150, 300)):
         assert torch.equal(ops.mm_fm(weight, x[:, lo:hi]), whole[:, lo:hi])
     # A non-contiguous (transposed) activation and a transposed result view are accepted.
     assert torch.equal(ops.mm_fm(weight, x.t().contiguous().t()), whole)
@@ -143,6 +147,7 @@ def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> N
 def test_gemm_past_the_token_limit_and_empty_batches_take_torch() -> None:
     ops = NATIVE
     weight = torch.randn(64, 32)
-    for t in (0, ops.gemm_fm_max_tokens + 1):
+    # The AVX2 build stops at 160 tokens; the AVX-512 build has no limit.
+    for t in (0, ops.gemm_fm_max_tokens + 1) if ops.gemm_fm_max_tokens < 4096 else (0,):
         x = torch.randn(32, t)
         torch.testing.assert_close(ops.mm_fm(weight, x), torch.mm(weight, x))

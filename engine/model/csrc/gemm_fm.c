@@ -1,47 +1,152 @@
-/* out[N, B] = W[N, K] @ X[K, B] for CPU float32 on AVX2 hosts: the feature-major decode
- * step's GEMMs (weights W row-major as the checkpoint stores them, activations X row-major
- * [features, tokens], B = tokens from 1 to a few hundred).
+/* out[N, B] = W[N, K] @ X[K, B] for CPU float32: the feature-major decoder's GEMMs (weights W
+ * row-major as the checkpoint stores them, activations X row-major [features, tokens], B =
+ * tokens, from 1 to a few thousand).
  *
- * MKL runs these skinny products at 15-70% of the machine's GEMM peak on an AVX2 host
- * (README). Here X is packed once per call into panels of 16 columns, [B/16][K][16],
- * zero-padded, and each thread runs a 6 x 16 register tile over the whole K: 12 accumulators
- * stay in registers, each W element is broadcast once per panel and each X panel row is two
- * aligned loads, so the inner loop is 12 FMAs against 8 loads. Threads split W's rows.
- * Every output is the same sequential sum over k whatever B is, so a request's numbers do
- * not depend on what else is in the batch.
+ * MKL runs these skinny products at 15-70% of the machine's GEMM peak on an AVX2 host, and
+ * on AMD hosts with AVX-512 it keeps to its AVX2 kernels, half of what the cores can do
+ * (README). Here X is packed once per call into panels of NR columns, [B/NR][K][NR],
+ * zero-padded, and each thread runs an MR x NR register tile: each W element is broadcast
+ * once per panel and each X panel row is NR/VW aligned loads. Threads split W's rows; X is
+ * walked in chunks of panels and slices of k sized to stay in L2 while W's rows stream
+ * past. Every output is the same sequential sum over k whatever B is, so a request's
+ * numbers do not depend on what else is in the batch (and the AVX2 and AVX-512 builds give
+ * the same numbers: one FMA per k in each lane).
  *
- * Only built for AVX2 + FMA without AVX-512 (where MKL's 512-bit kernels are the better
- * choice): `gemm_fm_available()` says which.
+ * AVX2 + FMA: the shared 6 x 16 tile (engine/csrc/tile_6x16.h). AVX-512: an 8 x 32 tile,
+ * 16 zmm accumulators (two FMA pipes of four cycles' latency need 8 chains), masked loads
+ * and stores for a panel's last columns. `gemm_fm_isa()` says which was built (0: none).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <omp.h>
 
+typedef void (*tile_fn)(const float *restrict w, int64_t ldw, int64_t kc,
+                        const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,
+                        int add);
+
+/* A register tile: mr rows of W by nr columns of X; `full` takes mr rows, `row` one. */
+struct gemm_variant {
+    int64_t mr, nr;
+    tile_fn full, row;
+};
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define GEMM_ISA 512
+/* L2 is 1 MiB per core on the AVX-512 hosts we run on (Zen 4/5); half of it for X. */
+#ifndef X_SLICE_BYTES
+#define X_SLICE_BYTES (512 * 1024)
+#endif
+#ifndef MAX_CHUNK_COLUMNS
+#define MAX_CHUNK_COLUMNS 128
+#endif
+
+static inline __mmask16 lane_mask(int64_t n)
+{
+    return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Rows 0..R-1 of w (row stride ldw) over kc values of k against one packed panel slice of
+ * V * 16 columns; n valid columns; add: accumulate onto out (a later slice of k). */
+#define DEFINE_TILE(NAME, R, V)                                                                \
+    static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
+                     const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
+                     int add)                                                                  \
+    {                                                                                          \
+        const __mmask16 m0 = lane_mask(n), m1 = lane_mask(n - 16);                             \
+        __m512 c0[R], c1[R];                                                                   \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                                  \
+        {                                                                                      \
+            c0[r] = add ? _mm512_maskz_loadu_ps(m0, out + r * ldo) : _mm512_setzero_ps();      \
+            if (V == 2)                                                                        \
+                c1[r] = add ? _mm512_maskz_loadu_ps(m1, out + r * ldo + 16)                    \
+                            : _mm512_setzero_ps();                                             \
+        }                                                                                      \
+        for (int64_t k = 0; k < kc; ++k) {                                                     \
+            const __m512 x0 = _mm512_load_ps(xp + k * V * 16);                                 \
+            const __m512 x1 = V == 2 ? _mm512_load_ps(xp + k * V * 16 + 16) : x0;              \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                              \
+            {                                                                                  \
+                const __m512 a = _mm512_set1_ps(w[r * ldw + k]);                               \
+                c0[r] = _mm512_fmadd_ps(a, x0, c0[r]);                                         \
+                if (V == 2) c1[r] = _mm512_fmadd_ps(a, x1, c1[r]);                             \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                                  \
+        {                                                                                      \
+            _mm512_mask_storeu_ps(out + r * ldo, m0, c0[r]);                                   \
+            if (V == 2) _mm512_mask_storeu_ps(out + r * ldo + 16, m1, c1[r]);                  \
+        }                                                                                      \
+    }
+
+/* Wide panels (32 columns, 8 x 32 tile, 16 accumulators: two FMA pipes of four cycles'
+ * latency need 8 chains) from 17 tokens; narrow ones (16 columns, 16 x 16 tile) below, where
+ * a wide panel would be mostly padding. */
+DEFINE_TILE(tile_8x32, 8, 2)
+DEFINE_TILE(tile_1x32, 1, 2)
+DEFINE_TILE(tile_16x16, 16, 1)
+DEFINE_TILE(tile_1x16_512, 1, 1)
+
+static const struct gemm_variant WIDE = {8, 32, tile_8x32, tile_1x32};
+static const struct gemm_variant NARROW = {16, 16, tile_16x16, tile_1x16_512};
+
+static struct gemm_variant pick_variant(int64_t B) { return B > 16 ? WIDE : NARROW; }
+
+#else /* AVX2 + FMA */
 #include "tile_6x16.h"
 
-int gemm_fm_available(void) { return 1; }
+#define GEMM_ISA 2
+/* Zen 3's L2 is 512 KiB per core. */
+#define X_SLICE_BYTES (192 * 1024)
+#define MAX_CHUNK_COLUMNS 192
+
+static void tile_6x16_fm(const float *restrict w, int64_t ldw, int64_t kc,
+                         const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,
+                         int add)
+{
+    tile_6x16(w, ldw, kc, xp, out, ldo, n, add);
+}
+
+static void tile_1x16_fm(const float *restrict w, int64_t ldw, int64_t kc,
+                         const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,
+                         int add)
+{
+    (void)ldw, (void)ldo;
+    tile_1x16(w, kc, xp, out, n, add);
+}
+
+static struct gemm_variant pick_variant(int64_t B)
+{
+    (void)B;
+    const struct gemm_variant v = {MR, NR, tile_6x16_fm, tile_1x16_fm};
+    return v;
+}
+#endif
+
+int gemm_fm_isa(void) { return GEMM_ISA; }
 
 /* Panels of NR columns, [ceil(B / NR)][K][NR], zero beyond column B. x is X itself
  * ([K, B], feature-major) or, with x_transposed, X's transpose ([B, K], token-major): the
  * packing copy transposes it for free instead of a separate copy before the call. */
-static void pack_x(const float *x, int64_t K, int64_t B, int x_transposed, float *packed,
-                   int num_threads)
+static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_transposed,
+                   float *packed, int num_threads)
 {
-    const int64_t panels = (B + NR - 1) / NR;
+    const int64_t panels = (B + nr - 1) / nr;
     if (x_transposed) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (K * B > 32768)
         for (int64_t p = 0; p < panels; ++p) {
-            float *dst = packed + p * K * NR;
-            const int64_t j0 = p * NR, n = B - j0 < NR ? B - j0 : NR;
-            for (int64_t j = 0; j < NR; ++j) {
+            float *dst = packed + p * K * nr;
+            const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
+            for (int64_t j = 0; j < nr; ++j) {
                 if (j < n) {
                     const float *src = x + (j0 + j) * K;
-                    for (int64_t k = 0; k < K; ++k) dst[k * NR + j] = src[k];
+                    for (int64_t k = 0; k < K; ++k) dst[k * nr + j] = src[k];
                 } else {
-                    for (int64_t k = 0; k < K; ++k) dst[k * NR + j] = 0.f;
+                    for (int64_t k = 0; k < K; ++k) dst[k * nr + j] = 0.f;
                 }
             }
         }
@@ -51,16 +156,13 @@ static void pack_x(const float *x, int64_t K, int64_t B, int x_transposed, float
     for (int64_t k = 0; k < K; ++k) {
         const float *src = x + k * B;
         for (int64_t p = 0; p < panels; ++p) {
-            float *dst = packed + (p * K + k) * NR;
-            const int64_t j0 = p * NR, n = B - j0 < NR ? B - j0 : NR;
+            float *dst = packed + (p * K + k) * nr;
+            const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
             memcpy(dst, src + j0, (size_t)n * sizeof(float));
-            if (n < NR) memset(dst + n, 0, (size_t)(NR - n) * sizeof(float));
+            if (n < nr) memset(dst + n, 0, (size_t)(nr - n) * sizeof(float));
         }
     }
 }
-
-/* X's slice of k held in L2 while W's rows stream past it. */
-#define X_SLICE_BYTES (192 * 1024)
 
 /* Returns 0, or -1 (nothing written) for an empty shape or when the packing buffer cannot
  * be allocated: the caller then computes the product another way. */
@@ -68,31 +170,38 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
             int x_transposed, int num_threads)
 {
     if (N <= 0 || K <= 0 || B <= 0) return -1;
-    const int64_t panels = (B + NR - 1) / NR;
-    float *packed = aligned_alloc(32, (size_t)(panels * K * NR) * sizeof(float));
+    const struct gemm_variant v = pick_variant(B);
+    const int64_t mr = v.mr, nr = v.nr, panels = (B + nr - 1) / nr;
+    float *packed = aligned_alloc(64, (size_t)(panels * K * nr) * sizeof(float));
     if (packed == NULL) return -1;
-    pack_x(x, K, B, x_transposed, packed, num_threads);
-    int64_t kc_max = X_SLICE_BYTES / (panels * NR * (int64_t)sizeof(float));
+    pack_x(x, K, B, nr, x_transposed, packed, num_threads);
+    /* A chunk of panels and a slice of k: X's part of the work that stays in L2. */
+    const int64_t max_chunk = MAX_CHUNK_COLUMNS / nr;
+    const int64_t chunk = panels < max_chunk ? panels : max_chunk;
+    int64_t kc_max = X_SLICE_BYTES / (chunk * nr * (int64_t)sizeof(float));
     kc_max = kc_max < 64 ? 64 : kc_max;
-    const int64_t blocks = (N + MR - 1) / MR;
+    const int64_t blocks = (N + mr - 1) / mr;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Each thread owns a range of W's rows for every slice of k: no barrier between. */
+        /* Each thread owns a range of W's rows for every chunk and slice: no barrier. */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-            const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
-            const int add = k0 > 0;
-            for (int64_t blk = b0; blk < b1; ++blk) {
-                const int64_t i = blk * MR;
-                for (int64_t p = 0; p < panels; ++p) {
-                    const int64_t j0 = p * NR, n = B - j0 < NR ? B - j0 : NR;
-                    const float *xp = packed + (p * K + k0) * NR;
-                    if (i + MR <= N) {
-                        tile_6x16(w + i * K + k0, K, kc, xp, out + i * B + j0, B, n, add);
-                    } else {
-                        for (int64_t r = i; r < N; ++r)
-                            tile_1x16(w + r * K + k0, kc, xp, out + r * B + j0, n, add);
+        for (int64_t p0 = 0; p0 < panels; p0 += chunk) {
+            const int64_t p1 = p0 + chunk < panels ? p0 + chunk : panels;
+            for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+                const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
+                const int add = k0 > 0;
+                for (int64_t blk = b0; blk < b1; ++blk) {
+                    const int64_t i = blk * mr;
+                    for (int64_t p = p0; p < p1; ++p) {
+                        const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
+                        const float *xp = packed + (p * K + k0) * nr;
+                        if (i + mr <= N) {
+                            v.full(w + i * K + k0, K, kc, xp, out + i * B + j0, B, n, add);
+                        } else {
+                            for (int64_t r = i; r < N; ++r)
+                                v.row(w + r * K + k0, K, kc, xp, out + r * B + j0, B, n, add);
+                        }
                     }
                 }
             }
@@ -104,14 +213,14 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
 
 #else
 
-int gemm_fm_available(void) { return 0; }
+int gemm_fm_isa(void) { return 0; }
 
 int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
             int x_transposed, int num_threads)
 {
     (void)w, (void)x, (void)out, (void)N, (void)K, (void)B, (void)x_transposed;
     (void)num_threads;
-    return -1; /* not built for this CPU: callers check gemm_fm_available() first */
+    return -1; /* not built for this CPU: callers check gemm_fm_isa() first */
 }
 
 #endif
