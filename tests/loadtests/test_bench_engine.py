@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import pytest
+
 from loadtests import bench_engine
 from loadtests.workload import load_workload
 
@@ -40,6 +42,10 @@ def test_bench_engine_json_has_the_promised_keys(tiny_model, capsys):
     assert 0 < result["step_bound_s"] < result["continuous_wall_s"]
     assert 0 < result["step_roofline_frac"] < 1
     assert result["peak_read_gb_s"] > 0
+    if "peak_native_gemm_gflop_s" in result:  # our GEMM runs here: the best peak counts
+        best = max(result["peak_native_gemm_gflop_s"], result["peak_gemm_gflop_s"])
+        expected = result["roofline_frac"] * result["peak_gemm_gflop_s"] / best
+        assert result["roofline_frac_best_gemm"] == pytest.approx(expected)
     assert result["speedup_vs_hf_static_bound"] > result["speedup_vs_hf_static"]
     for side in ("continuous", "static", "hf_static"):
         assert 0 <= result[f"{side}_steal_frac"] < 1, side
