@@ -100,9 +100,10 @@ def test_argmax_of_a_transposed_view_matches_torch_with_ties(rows: int) -> None:
 
 _GEMM_SHAPES = [
     # (out features, in features, tokens): row tails of the 6-, 8- and 16-row tiles, column
-    # tails of the 16- and 32-column panels (AVX-512: narrow up to 16 tokens, wide from 17),
-    # one token, odd and long K (several K slices), a vocab projection, several chunks of
-    # panels (a prefill step).
+    # tails of the 16- and 32-column panels (AVX-512: the GEMV up to 8 tokens, the narrow
+    # tile up to 16, the wide one from 17), one token, odd and long K (several K slices; the
+    # GEMV's last partial 16 x 16 piece), a vocab projection, several chunks of panels (a
+    # prefill step).
     (1280, 768, 37),
     (768, 2048, 160),
     (4096, 768, 1),
@@ -112,6 +113,8 @@ _GEMM_SHAPES = [
     (16384, 768, 64),
     (5, 3000, 151),
     (29, 2500, 700),
+    (37, 100, 3),
+    (20, 9000, 2),
 ]
 
 

@@ -12,9 +12,11 @@
  * numbers do not depend on what else is in the batch (and the AVX2 and AVX-512 builds give
  * the same numbers: one FMA per k in each lane).
  *
- * AVX2 + FMA: the shared 6 x 16 tile (engine/csrc/tile_6x16.h). AVX-512: an 8 x 32 tile,
- * 16 zmm accumulators (two FMA pipes of four cycles' latency need 8 chains), masked loads
- * and stores for a panel's last columns. `gemm_fm_isa()` says which was built (0: none).
+ * AVX2 + FMA: the shared 6 x 16 tile (engine/csrc/tile_6x16.h). AVX-512: an 8 x 32 tile
+ * from 17 tokens (16 zmm accumulators: two FMA pipes of four cycles' latency need 8 chains),
+ * a 16 x 16 tile from 9 to 16, and up to 8 a GEMV that transposes 16 x 16 pieces of W in
+ * registers; masked loads and stores for a panel's last columns, weight rows prefetched.
+ * `gemm_fm_isa()` says which was built (0: none).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,12 +40,16 @@ struct gemm_variant {
 
 #define GEMM_ISA 512
 /* L2 is 1 MiB per core on the AVX-512 hosts we run on (Zen 4/5); half of it for X. */
-#ifndef X_SLICE_BYTES
 #define X_SLICE_BYTES (512 * 1024)
-#endif
-#ifndef MAX_CHUNK_COLUMNS
+/* At most this many tokens take the transposing GEMV below. */
+#define GEMV_MAX_TOKENS 8
+/* X's panels per chunk: 128 columns measured best for 256-2048 tokens (64-256 the same or
+ * slower). */
 #define MAX_CHUNK_COLUMNS 128
-#endif
+/* Each weight row is fetched this many floats (two cache lines) ahead: a tile streams 8-16
+ * rows at once, more than the hardware prefetcher follows. 1.4-1.5x at 1-32 tokens with
+ * the weights coming from DRAM, ~5% at 64-128, even from 160 (README). */
+#define W_PREFETCH 32
 
 static inline __mmask16 lane_mask(int64_t n)
 {
@@ -52,7 +58,7 @@ static inline __mmask16 lane_mask(int64_t n)
 
 /* Rows 0..R-1 of w (row stride ldw) over kc values of k against one packed panel slice of
  * V * 16 columns; n valid columns; add: accumulate onto out (a later slice of k). */
-#define DEFINE_TILE(NAME, R, V)                                                                \
+#define DEFINE_TILE(NAME, R, V, PF)                                                            \
     static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
                      const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
                      int add)                                                                  \
@@ -67,6 +73,9 @@ static inline __mmask16 lane_mask(int64_t n)
                             : _mm512_setzero_ps();                                             \
         }                                                                                      \
         for (int64_t k = 0; k < kc; ++k) {                                                     \
+            if (PF && (k & 15) == 0)                                                           \
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                          \
+                    _mm_prefetch((const char *)(w + r * ldw + k + PF), _MM_HINT_T0);           \
             const __m512 x0 = _mm512_load_ps(xp + k * V * 16);                                 \
             const __m512 x1 = V == 2 ? _mm512_load_ps(xp + k * V * 16 + 16) : x0;              \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                              \
@@ -86,15 +95,104 @@ static inline __mmask16 lane_mask(int64_t n)
 /* Wide panels (32 columns, 8 x 32 tile, 16 accumulators: two FMA pipes of four cycles'
  * latency need 8 chains) from 17 tokens; narrow ones (16 columns, 16 x 16 tile) below, where
  * a wide panel would be mostly padding. */
-DEFINE_TILE(tile_8x32, 8, 2)
-DEFINE_TILE(tile_1x32, 1, 2)
-DEFINE_TILE(tile_16x16, 16, 1)
-DEFINE_TILE(tile_1x16_512, 1, 1)
+DEFINE_TILE(tile_8x32, 8, 2, W_PREFETCH)
+DEFINE_TILE(tile_1x32, 1, 2, 0)
+DEFINE_TILE(tile_16x16, 16, 1, W_PREFETCH)
+DEFINE_TILE(tile_1x16_512, 1, 1, 0)
+
+/* r[i] (row i of a 16 x 16 block) -> r[j] (column j): four rounds of in-register
+ * shuffles, 64 in all. */
+static inline void transpose_16x16(__m512 r[16])
+{
+    __m512 t[16];
+    for (int m = 0; m < 8; ++m) {
+        t[2 * m] = _mm512_unpacklo_ps(r[2 * m], r[2 * m + 1]);
+        t[2 * m + 1] = _mm512_unpackhi_ps(r[2 * m], r[2 * m + 1]);
+    }
+    /* u[4m + c], 128-bit lane L: rows 4m..4m+3 of column 4L + c. */
+    __m512 u[16];
+    for (int m = 0; m < 4; ++m) {
+        const __m512d a = _mm512_castps_pd(t[4 * m]), b = _mm512_castps_pd(t[4 * m + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * m + 1]), d = _mm512_castps_pd(t[4 * m + 3]);
+        u[4 * m] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512 e0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+        const __m512 e1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+        const __m512 e2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512 e3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_f32x4(e0, e2, 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(e0, e2, 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(e1, e3, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(e1, e3, 0xDD);
+    }
+}
+
+/* A 16-row block of W against at most NT (<= 8) columns: W's 16 x 16 pieces are transposed
+ * in registers so that one FMA serves 16 rows of one column, where the 16 x 16 tile's FMA
+ * serves one row of 16 mostly padded columns. Each output is still one FMA per k in k's
+ * order: the same numbers as the tiles. Columns past n are padding (packed zeros), never
+ * stored. */
+#define DEFINE_GEMV(NAME, NT)                                                                  \
+    static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
+                     const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
+                     int add)                                                                  \
+    {                                                                                          \
+        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, \
+                                                                 7, 6, 5, 4, 3, 2, 1, 0),      \
+                                                _mm512_set1_epi32((int)ldo));                  \
+        __m512 acc[NT];                                                                        \
+        for (int j = 0; j < NT; ++j)                                                           \
+            acc[j] = add && j < n ? _mm512_i32gather_ps(rows, out + j, 4) : _mm512_setzero_ps(); \
+        for (int64_t k = 0; k < kc; k += 16) {                                                 \
+            const int64_t kr = kc - k < 16 ? kc - k : 16;                                      \
+            const __mmask16 m = lane_mask(kr);                                                 \
+            __m512 r[16];                                                                      \
+            for (int i = 0; i < 16; ++i) {                                                     \
+                _mm_prefetch((const char *)(w + i * ldw + k + W_PREFETCH), _MM_HINT_T0);       \
+                r[i] = _mm512_maskz_loadu_ps(m, w + i * ldw + k);                              \
+            }                                                                                  \
+            transpose_16x16(r);                                                                \
+            if (kr == 16) { /* unrolled: r stays in registers */                               \
+                _Pragma("GCC unroll 16") for (int kk = 0; kk < 16; ++kk)                      \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j)                      \
+                        acc[j] = _mm512_fmadd_ps(r[kk], _mm512_set1_ps(xp[(k + kk) * 16 + j]), \
+                                                 acc[j]);                                      \
+            } else {                                                                           \
+                for (int64_t kk = 0; kk < kr; ++kk)                                            \
+                    for (int j = 0; j < NT; ++j)                                               \
+                        acc[j] = _mm512_fmadd_ps(r[kk], _mm512_set1_ps(xp[(k + kk) * 16 + j]), \
+                                                 acc[j]);                                      \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < NT && j < n; ++j) _mm512_i32scatter_ps(out + j, rows, acc[j], 4);  \
+    }
+
+DEFINE_GEMV(gemv_16x1, 1)
+DEFINE_GEMV(gemv_16x2, 2)
+DEFINE_GEMV(gemv_16x4, 4)
+DEFINE_GEMV(gemv_16x8, 8)
+
+static void gemv_16(const float *restrict w, int64_t ldw, int64_t kc, const float *restrict xp,
+                    float *restrict out, int64_t ldo, int64_t n, int add)
+{
+    if (n <= 1) gemv_16x1(w, ldw, kc, xp, out, ldo, n, add);
+    else if (n <= 2) gemv_16x2(w, ldw, kc, xp, out, ldo, n, add);
+    else if (n <= 4) gemv_16x4(w, ldw, kc, xp, out, ldo, n, add);
+    else gemv_16x8(w, ldw, kc, xp, out, ldo, n, add);
+}
 
 static const struct gemm_variant WIDE = {8, 32, tile_8x32, tile_1x32};
 static const struct gemm_variant NARROW = {16, 16, tile_16x16, tile_1x16_512};
+static const struct gemm_variant GEMV = {16, 16, gemv_16, tile_1x16_512};
 
-static struct gemm_variant pick_variant(int64_t B) { return B > 16 ? WIDE : NARROW; }
+static struct gemm_variant pick_variant(int64_t B)
+{
+    return B > 16 ? WIDE : B > GEMV_MAX_TOKENS ? NARROW : GEMV;
+}
 
 #else /* AVX2 + FMA */
 #include "tile_6x16.h"
