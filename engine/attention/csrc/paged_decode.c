@@ -10,19 +10,23 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Rows a few tokens ahead are fetched early: the next block may sit anywhere in memory, where
- * the hardware prefetcher cannot follow. */
-#define PREFETCH_AHEAD 4
-
-static inline __attribute__((always_inline)) void prefetch_row(
-    const float *cache, const int64_t *bt, int64_t t, int64_t L, int block_size,
-    int64_t token_stride, int h0, int nh_kv, int D)
+/* The row of token j of the next block is fetched while token j of this one is worked on:
+ * the next block may sit anywhere in memory, where the hardware prefetcher cannot follow.
+ * Loops walk the block table block by block, so no token costs an integer division. */
+static inline __attribute__((always_inline)) void prefetch_next_row(
+    const float *next_block, int64_t j, int64_t n_next, int64_t token_stride, int bytes)
 {
-    if (t >= L) return;
-    const char *p = (const char *)(cache + (bt[t / block_size] * block_size + t % block_size)
-                                               * token_stride + (int64_t)h0 * D);
-    const int bytes = nh_kv * D * (int)sizeof(float);
+    if (next_block == NULL || j >= n_next) return;
+    const char *p = (const char *)(next_block + j * token_stride);
     for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* Token t0's block (t0 a multiple of block_size) at head h0, or NULL past the context. */
+static inline const float *block_at(const float *cache, const int64_t *bt, int64_t t0, int64_t L,
+                                    int block_size, int64_t token_stride, int h0, int D)
+{
+    if (t0 >= L) return NULL;
+    return cache + bt[t0 / block_size] * block_size * token_stride + (int64_t)h0 * D;
 }
 
 static inline __attribute__((always_inline)) void decode_task(
@@ -32,16 +36,23 @@ static inline __attribute__((always_inline)) void decode_task(
     float *restrict acc, const int D)
 {
     const int nh_kv = nh / G;
-    for (int64_t t = 0; t < L; ++t) {
-        prefetch_row(k_cache, bt, t + PREFETCH_AHEAD, L, block_size, token_stride, h0, nh_kv, D);
-        const float *row = k_cache + (bt[t / block_size] * block_size + t % block_size)
-                                         * token_stride + (int64_t)h0 * D;
-        for (int i = 0; i < nh; ++i) {
-            const float *kp = row + (int64_t)(i / G) * D;
-            const float *qi = qb + (int64_t)i * D;
-            float s = 0.f;
-            for (int d = 0; d < D; ++d) s += qi[d] * kp[d];
-            scores[(int64_t)i * L + t] = s * scale;
+    const int row_bytes = nh_kv * D * (int)sizeof(float);
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const float *block = block_at(k_cache, bt, t0, L, block_size, token_stride, h0, D);
+        const float *next = block_at(k_cache, bt, t0 + block_size, L, block_size, token_stride,
+                                     h0, D);
+        const int64_t n = L - t0 < block_size ? L - t0 : block_size;
+        const int64_t n_next = L - t0 - n < block_size ? L - t0 - n : block_size;
+        for (int64_t j = 0; j < n; ++j) {
+            prefetch_next_row(next, j, n_next, token_stride, row_bytes);
+            const float *row = block + j * token_stride;
+            for (int i = 0; i < nh; ++i) {
+                const float *kp = row + (int64_t)(i / G) * D;
+                const float *qi = qb + (int64_t)i * D;
+                float s = 0.f;
+                for (int d = 0; d < D; ++d) s += qi[d] * kp[d];
+                scores[(int64_t)i * L + t0 + j] = s * scale;
+            }
         }
     }
     for (int i = 0; i < nh; ++i) {
@@ -57,15 +68,21 @@ static inline __attribute__((always_inline)) void decode_task(
         for (int64_t t = 0; t < L; ++t) si[t] *= inv;
         for (int d = 0; d < D; ++d) acc[(int64_t)i * D + d] = 0.f;
     }
-    for (int64_t t = 0; t < L; ++t) {
-        prefetch_row(v_cache, bt, t + PREFETCH_AHEAD, L, block_size, token_stride, h0, nh_kv, D);
-        const float *row = v_cache + (bt[t / block_size] * block_size + t % block_size)
-                                         * token_stride + (int64_t)h0 * D;
-        for (int i = 0; i < nh; ++i) {
-            const float *vp = row + (int64_t)(i / G) * D;
-            const float p = scores[(int64_t)i * L + t];
-            float *ai = acc + (int64_t)i * D;
-            for (int d = 0; d < D; ++d) ai[d] += p * vp[d];
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const float *block = block_at(v_cache, bt, t0, L, block_size, token_stride, h0, D);
+        const float *next = block_at(v_cache, bt, t0 + block_size, L, block_size, token_stride,
+                                     h0, D);
+        const int64_t n = L - t0 < block_size ? L - t0 : block_size;
+        const int64_t n_next = L - t0 - n < block_size ? L - t0 - n : block_size;
+        for (int64_t j = 0; j < n; ++j) {
+            prefetch_next_row(next, j, n_next, token_stride, row_bytes);
+            const float *row = block + j * token_stride;
+            for (int i = 0; i < nh; ++i) {
+                const float *vp = row + (int64_t)(i / G) * D;
+                const float p = scores[(int64_t)i * L + t0 + j];
+                float *ai = acc + (int64_t)i * D;
+                for (int d = 0; d < D; ++d) ai[d] += p * vp[d];
+            }
         }
     }
     for (int i = 0; i < nh; ++i)
