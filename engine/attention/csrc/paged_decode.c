@@ -10,23 +10,40 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* The row of token j of the next block is fetched while token j of this one is worked on:
- * the next block may sit anywhere in memory, where the hardware prefetcher cannot follow.
- * Loops walk the block table block by block, so no token costs an integer division. */
-static inline __attribute__((always_inline)) void prefetch_next_row(
-    const float *next_block, int64_t j, int64_t n_next, int64_t token_stride, int bytes)
+/* One block of a sequence's context, at head h0: its first row, how many of its tokens are
+ * in the context, and the same for the next block. Loops walk the block table block by
+ * block, so no token costs an integer division. */
+struct block_span {
+    const float *block, *next;
+    int64_t n, n_next;
+};
+
+static inline __attribute__((always_inline)) struct block_span span_at(
+    const float *cache, const int64_t *bt, int64_t t0, int64_t L, int block_size,
+    int64_t token_stride, int h0, int D)
 {
-    if (next_block == NULL || j >= n_next) return;
-    const char *p = (const char *)(next_block + j * token_stride);
-    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    struct block_span s = {NULL, NULL, 0, 0};
+    const int64_t b = t0 / block_size;
+    s.block = cache + bt[b] * block_size * token_stride + (int64_t)h0 * D;
+    s.n = L - t0 < block_size ? L - t0 : block_size;
+    const int64_t rest = L - t0 - s.n;
+    if (rest > 0) {
+        s.next = cache + bt[b + 1] * block_size * token_stride + (int64_t)h0 * D;
+        s.n_next = rest < block_size ? rest : block_size;
+    }
+    return s;
 }
 
-/* Token t0's block (t0 a multiple of block_size) at head h0, or NULL past the context. */
-static inline const float *block_at(const float *cache, const int64_t *bt, int64_t t0, int64_t L,
-                                    int block_size, int64_t token_stride, int h0, int D)
+/* Token j's row of the block; the row of token j of the next block is fetched meanwhile:
+ * the next block may sit anywhere in memory, where the hardware prefetcher cannot follow. */
+static inline __attribute__((always_inline)) const float *span_row(
+    const struct block_span *s, int64_t j, int64_t token_stride, int row_bytes)
 {
-    if (t0 >= L) return NULL;
-    return cache + bt[t0 / block_size] * block_size * token_stride + (int64_t)h0 * D;
+    if (j < s->n_next) {
+        const char *p = (const char *)(s->next + j * token_stride);
+        for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    }
+    return s->block + j * token_stride;
 }
 
 static inline __attribute__((always_inline)) void decode_task(
@@ -38,14 +55,10 @@ static inline __attribute__((always_inline)) void decode_task(
     const int nh_kv = nh / G;
     const int row_bytes = nh_kv * D * (int)sizeof(float);
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const float *block = block_at(k_cache, bt, t0, L, block_size, token_stride, h0, D);
-        const float *next = block_at(k_cache, bt, t0 + block_size, L, block_size, token_stride,
-                                     h0, D);
-        const int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        const int64_t n_next = L - t0 - n < block_size ? L - t0 - n : block_size;
-        for (int64_t j = 0; j < n; ++j) {
-            prefetch_next_row(next, j, n_next, token_stride, row_bytes);
-            const float *row = block + j * token_stride;
+        const struct block_span span =
+            span_at(k_cache, bt, t0, L, block_size, token_stride, h0, D);
+        for (int64_t j = 0; j < span.n; ++j) {
+            const float *row = span_row(&span, j, token_stride, row_bytes);
             for (int i = 0; i < nh; ++i) {
                 const float *kp = row + (int64_t)(i / G) * D;
                 const float *qi = qb + (int64_t)i * D;
@@ -69,14 +82,10 @@ static inline __attribute__((always_inline)) void decode_task(
         for (int d = 0; d < D; ++d) acc[(int64_t)i * D + d] = 0.f;
     }
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const float *block = block_at(v_cache, bt, t0, L, block_size, token_stride, h0, D);
-        const float *next = block_at(v_cache, bt, t0 + block_size, L, block_size, token_stride,
-                                     h0, D);
-        const int64_t n = L - t0 < block_size ? L - t0 : block_size;
-        const int64_t n_next = L - t0 - n < block_size ? L - t0 - n : block_size;
-        for (int64_t j = 0; j < n; ++j) {
-            prefetch_next_row(next, j, n_next, token_stride, row_bytes);
-            const float *row = block + j * token_stride;
+        const struct block_span span =
+            span_at(v_cache, bt, t0, L, block_size, token_stride, h0, D);
+        for (int64_t j = 0; j < span.n; ++j) {
+            const float *row = span_row(&span, j, token_stride, row_bytes);
             for (int i = 0; i < nh; ++i) {
                 const float *vp = row + (int64_t)(i / G) * D;
                 const float p = scores[(int64_t)i * L + t0 + j];

@@ -6,7 +6,8 @@
  * on AMD hosts with AVX-512 it keeps to its AVX2 kernels, half of what the cores can do
  * (README). Here X is packed once per call into panels of NR columns, [B/NR][K][NR],
  * zero-padded, and each thread runs an MR x NR register tile: each W element is broadcast
- * once per panel and each X panel row is NR/VW aligned loads. Threads split W's rows; X is
+ * once per panel and each X panel row is one or two aligned vector loads. Threads split W's
+ * rows; X is
  * walked in chunks of panels and slices of k sized to stay in L2 while W's rows stream
  * past. Every output is the same sequential sum over k whatever B is, so a request's
  * numbers do not depend on what else is in the batch (and the AVX2 and AVX-512 builds give
