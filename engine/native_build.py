@@ -58,6 +58,15 @@ def _host_cpu() -> bytes:
     return "\n".join(dict.fromkeys(lines)).encode()  # the first CPU's lines, once each
 
 
+def host_cpu_vendor() -> str:
+    """`AuthenticAMD`, `GenuineIntel`, ... from /proc/cpuinfo; "" where it cannot be read."""
+    for line in _host_cpu().decode(errors="replace").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 _loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 

@@ -19,14 +19,28 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.rope import RotaryEmbedding, apply_rope
-from engine.native_build import load_native
+from engine.native_build import host_cpu_vendor, load_native
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
 _GEMM_SOURCE = Path(__file__).with_name("csrc") / "gemm_fm.c"
 # Up to this many tokens the native GEMM beat MKL on the AVX2 host (1.1-2.5x from 4 to 128
-# tokens, even at ~160, 5-10% behind from 200 on: README). On AVX-512 hosts it is the
-# AVX-512 build against MKL's AVX2 kernels: ahead at every size (README).
-GEMM_FM_MAX_TOKENS = {2: 160, 512: 1 << 30}
+# tokens, even at ~160, 5-10% behind from 200 on: README).
+GEMM_FM_MAX_TOKENS_AVX2 = 160
+
+
+def native_gemm_token_limit(isa: int, vendor: str) -> int:
+    """Steps of at most this many tokens use the native GEMM built for `isa` (2: AVX2 + FMA,
+    512: AVX-512, 0: none) on a CPU of `vendor`; 0: never. On AMD CPUs MKL keeps to its AVX2
+    kernels, and the AVX-512 build ran 2-3.8x faster at every size (README); on other
+    AVX-512 CPUs MKL has 512-bit kernels and ours was never measured against them, so MKL
+    keeps those."""
+    if isa == 2:
+        return GEMM_FM_MAX_TOKENS_AVX2
+    if isa == 512 and vendor == "AuthenticAMD":
+        return 1 << 30
+    return 0
+
+
 _MAX_HEAD_DIM = 512  # the rope kernel's per-row scratch
 
 _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -68,7 +82,10 @@ class DecoderOps:
         self._lib = _load() if native else None
         self._gemm = _load_gemm() if native else None
         # Steps of at most this many tokens use the native GEMM where it loads; 0: never.
-        self.gemm_fm_max_tokens = GEMM_FM_MAX_TOKENS[self._gemm.gemm_fm_isa()] if self._gemm else 0
+        isa = self._gemm.gemm_fm_isa() if self._gemm else 0
+        self.gemm_fm_max_tokens = native_gemm_token_limit(isa, host_cpu_vendor())
+        if not self.gemm_fm_max_tokens:
+            self._gemm = None  # built, but MKL is the better choice on this CPU
 
     def mm_fm(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`weight @ x` for feature-major x ([in_features, T]) -> [out_features, T]; only

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine.model.decoder import RMSNorm
-from engine.model.fused import DecoderOps, argmax_last_dim
+from engine.model.fused import DecoderOps, argmax_last_dim, native_gemm_token_limit
 from engine.model.rope import RotaryEmbedding
+from engine.native_build import host_cpu_vendor
 
 NATIVE = DecoderOps(native=True)
 TORCH = DecoderOps(native=False)
@@ -154,3 +155,19 @@ def test_gemm_past_the_token_limit_and_empty_batches_take_torch() -> None:
     for t in (0, ops.gemm_fm_max_tokens + 1) if ops.gemm_fm_max_tokens < 4096 else (0,):
         x = torch.randn(32, t)
         torch.testing.assert_close(ops.mm_fm(weight, x), torch.mm(weight, x))
+
+
+def test_which_hosts_run_the_native_gemm() -> None:
+    """AVX2 hosts up to 160 tokens; AVX-512 only on AMD CPUs, where MKL keeps to AVX2
+    kernels (every size); Intel's AVX-512 MKL and builds without either ISA: never."""
+    assert native_gemm_token_limit(2, "AuthenticAMD") == 160
+    assert native_gemm_token_limit(2, "GenuineIntel") == 160
+    assert native_gemm_token_limit(512, "AuthenticAMD") >= 1 << 20
+    assert native_gemm_token_limit(512, "GenuineIntel") == 0
+    assert native_gemm_token_limit(0, "AuthenticAMD") == 0
+    # This host: the limit DecoderOps took is the one its CPU and build call for.
+    ops = DecoderOps()
+    if ops._gemm is not None:
+        assert ops.gemm_fm_max_tokens == native_gemm_token_limit(
+            ops._gemm.gemm_fm_isa(), host_cpu_vendor()
+        )

@@ -296,7 +296,12 @@ def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engin
     batches = sum(
         stats[r]["channel_batches_total"] - before[r]["channel_batches_total"] for r in stats
     )
-    assert deltas >= 64 and batches * 4 <= deltas, (deltas, batches)
+    steps = sum(stats[r]["num_steps_total"] - before[r]["num_steps_total"] for r in stats)
+    # At most one message per engine step (one ingress replica here), and many deltas to a
+    # message on the whole (how many depends on how fast requests arrive against how fast
+    # the engine steps: 3.8 measured with the whole suite loading the machine, 4+ idle).
+    assert batches <= steps, (batches, steps)
+    assert deltas >= 64 and batches * 2 <= deltas, (deltas, batches)
     # Idle subscriptions end and their outboxes go.
     deadline = time.monotonic() + 20
     while any(s["num_channels"] for s in stats.values()) and time.monotonic() < deadline:
