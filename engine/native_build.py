@@ -55,7 +55,7 @@ def _host_cpu() -> bytes:
         return platform.machine().encode() + platform.processor().encode()
     keep = ("vendor_id", "cpu family", "model", "flags")
     lines = [line for line in text.splitlines() if line.split(":")[0].strip() in keep]
-    return "\n".join(dict.fromkeys(lines)).encode()  # the first CPU's lines, once each
+    return "\n".join(dict.fromkeys(lines)).encode()  # each distinct line once, in order
 
 
 def host_cpu_vendor() -> str:

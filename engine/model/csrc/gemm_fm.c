@@ -228,7 +228,7 @@ static struct gemm_variant pick_variant(int64_t B)
 
 int gemm_fm_isa(void) { return GEMM_ISA; }
 
-/* Panels of NR columns, [ceil(B / NR)][K][NR], zero beyond column B. x is X itself
+/* Panels of nr columns, [ceil(B / nr)][K][nr], zero beyond column B. x is X itself
  * ([K, B], feature-major) or, with x_transposed, X's transpose ([B, K], token-major): the
  * packing copy transposes it for free instead of a separate copy before the call. */
 static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_transposed,
