@@ -70,6 +70,9 @@ class StaticPolicy:
     ) -> SchedulerLimits:
         return self.limits(stats)
 
+    def resume(self, max_num_seqs: int) -> None:
+        """A fixed limit does not move to the replica's current one."""
+
 
 # ----------------------------------------------------------------------- memory-aware
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ class MemoryAwarePolicy:
         self, stats: SchedulerStats, window: DecodeWindow | None
     ) -> SchedulerLimits:
         return self.limits(stats)  # reads only the snapshot
+
+    def resume(self, max_num_seqs: int) -> None:
+        """Start from a replica's current limit (a fresh controller, or one that lost it)."""
+        self.b = self.config.bounds.clamp(max_num_seqs)
 
 
 # ------------------------------------------------------------------------ SLA feedback
@@ -215,6 +222,11 @@ class SlaPolicy:
         b = self.batch_size_from_window(stats, window)
         return SchedulerLimits(b, stats.max_num_batched_tokens)
 
+    def resume(self, max_num_seqs: int) -> None:
+        """Start from a replica's current limit (a fresh controller, or one that lost it); the
+        search interval starts wide again."""
+        self.b = self.config.bounds.clamp(max_num_seqs)
+
 
 class CombinedPolicy:
     """min(memory-aware, SLA): fill the cache, but not past the latency target."""
@@ -231,6 +243,10 @@ class CombinedPolicy:
     ) -> SchedulerLimits:
         b = min(self.memory.next_batch_size(stats), self.sla.batch_size_from_window(stats, window))
         return SchedulerLimits(max(b, 1), stats.max_num_batched_tokens)
+
+    def resume(self, max_num_seqs: int) -> None:
+        self.memory.resume(max_num_seqs)
+        self.sla.resume(max_num_seqs)
 
 
 PolicyName = Literal["static", "memory_aware", "sla", "combined"]

@@ -94,8 +94,11 @@ class ClusterControl:
             current = SchedulerLimits(
                 stats.scheduler.max_num_seqs, stats.scheduler.max_num_batched_tokens
             )
+            # The replica's current limit may be a past controller's decision: go on from it.
+            policy = self.make_policy()
+            policy.resume(current.max_num_seqs)
             entry = self.replicas[stats.replica_id] = _Replica(
-                self.make_policy(), stats, now, ControlDecision(current)
+                policy, stats, now, ControlDecision(current)
             )
         entry.last, entry.last_seen = stats, now
         entry.num_reports += 1

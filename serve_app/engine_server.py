@@ -271,12 +271,12 @@ class EngineServer:
 
     # --------------------------------------------------------------- the controller loop
     def replica_stats(self) -> ReplicaStats:
-        """This period's report; the decode window and latencies cover the time since the
-        last report that was built."""
+        """This period's report. The decode window covers the time since the last report the
+        controller answered (a lost report's decode steps go into the next one: a short burst
+        may give a single window); the latencies cover the time since the last report built."""
         sched = self.engine.engine.stats()
         ttft, itl = self.latencies.take()
         window = DecodeWindow.between(self._last_reported, sched)
-        self._last_reported = sched
         return ReplicaStats(
             replica_id=self.replica_id,
             scheduler=sched,
@@ -297,8 +297,9 @@ class EngineServer:
         assert self.controller is not None
         while True:
             await asyncio.sleep(control.report_interval_s)
+            report = self.replica_stats()
             try:
-                call = self.controller.report.remote(self.replica_stats())
+                call = self.controller.report.remote(report)
                 decision = await asyncio.wait_for(call, control.report_timeout_s)
             except asyncio.CancelledError:
                 raise
@@ -306,6 +307,7 @@ class EngineServer:
                 self.num_report_failures += 1
                 logger.warning("controller report failed (keeping last limits): %r", exc)
                 continue
+            self._last_reported = report.scheduler
             self.decision = decision
             self.external.set(decision.limits)
             self.num_reports_ok += 1

@@ -93,3 +93,21 @@ def test_silent_replicas_drop_out_and_a_fresh_controller_rebuilds_from_reports()
     restarted = ClusterControl(partial(make_policy, "static", 32, None, None))
     restarted.report(report("b", num_running=3), now=7.0)
     assert restarted.view(now=7.0)["replicas"][0]["running"] == 3
+
+
+def test_a_fresh_controller_goes_on_from_each_replicas_current_limit():
+    """A restarted controller (or one that expired a replica) keeps a raised limit; it does
+    not drop the replica back to the configured start value."""
+    sla = partial(make_policy, "sla", 32, None, SLA)
+    first = ClusterControl(sla)
+    raised = first.report(report("a", DecodeWindow(10, 0.02, 32), num_decoding=2), now=0.0)
+    assert raised.limits.max_num_seqs == 48
+    restarted = ClusterControl(sla)
+    d = restarted.report(report("a", None, max_num_seqs=48), now=1.0)
+    assert d.limits.max_num_seqs == 48
+    # Still headroom: the search goes on upward from 48 (not from 32).
+    d = restarted.report(report("a", DecodeWindow(10, 0.02, 48), max_num_seqs=48), now=2.0)
+    assert d.limits.max_num_seqs > 48
+    # A static policy stays at its configured value whatever the replica reports.
+    static = ClusterControl(partial(make_policy, "static", 32, None, None))
+    assert static.report(report("b", None, max_num_seqs=48), now=0.0).limits.max_num_seqs == 32

@@ -109,10 +109,19 @@ async def _complete(client: httpx.AsyncClient, base: str, i: int, max_tokens: in
 
 
 class Load:
-    """Requests from a background thread: `burst` at once, or a steady trickle until stopped."""
+    """Requests from a background thread: `burst` at once (again and again until stopped with
+    `waves`), or a steady trickle until stopped."""
 
-    def __init__(self, base: str, burst: int = 0, trickle: bool = False, max_tokens: int = 64):
+    def __init__(
+        self,
+        base: str,
+        burst: int = 0,
+        trickle: bool = False,
+        max_tokens: int = 64,
+        waves: bool = False,
+    ):
         self.base, self.burst, self.trickle, self.max_tokens = base, burst, trickle, max_tokens
+        self.waves = waves
         self.codes: list[int] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -137,6 +146,9 @@ class Load:
                 i += 1
                 await asyncio.sleep(0.1)
             self.codes.extend(await asyncio.gather(*tasks))
+            while self.waves and not self.stop.is_set():
+                wave = [_complete(client, self.base, i, self.max_tokens) for i in range(self.burst)]
+                self.codes.extend(await asyncio.gather(*wave))
 
     @property
     def done(self) -> bool:
@@ -166,7 +178,8 @@ def test_controller_hears_every_replica_and_engines_apply_its_limits(serve_clust
 
     # The `scaling` app: configured max_num_seqs 2; the SLA policy (in the controller) raises
     # it once it sees decode steps far under target, and the engine then runs more than 2.
-    with Load(scaling_app, burst=4, max_tokens=32):
+    # Waves of 4 until then: one burst of the tiny model may be over within a report period.
+    with Load(scaling_app, burst=4, max_tokens=32, waves=True) as waves:
         raised = wait_for(
             lambda: any(
                 r["limits"]["max_num_seqs"] > 2 for r in cluster_view(scaling_app)["replicas"]
@@ -174,7 +187,7 @@ def test_controller_hears_every_replica_and_engines_apply_its_limits(serve_clust
             60,
             "the controller raising max_num_seqs above 2",
         )
-    assert raised
+    assert raised and set(waves.codes) <= {200}
     peak = {"running": 0}
     with Load(scaling_app, burst=8, max_tokens=64) as load:
         from ray import serve
