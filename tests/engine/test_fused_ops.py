@@ -104,7 +104,7 @@ _GEMM_SHAPES = [
     # tails of the 16- and 32-column panels (AVX-512: the GEMV up to 8 tokens, the narrow
     # tile up to 16, the wide one from 17), one token, odd and long K (several K slices; the
     # GEMV's last partial 16 x 16 piece), a vocab projection, several chunks of panels (a
-    # prefill step).
+    # prefill step), row blocks that the threads' grains do not divide evenly.
     (1280, 768, 37),
     (768, 2048, 160),
     (4096, 768, 1),
@@ -114,6 +114,7 @@ _GEMM_SHAPES = [
     (16384, 768, 64),
     (5, 3000, 151),
     (29, 2500, 700),
+    (1000, 300, 300),
     (37, 100, 3),
     (20, 9000, 2),
 ]

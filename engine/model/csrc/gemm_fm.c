@@ -26,6 +26,15 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <omp.h>
 
+/* Threads take W's row blocks in grains from a shared counter. Measured on the 2-core Zen 5
+ * (shared with other tenants): 16 grains per thread 3-6% faster than an even split from 256
+ * tokens on, where one call runs for milliseconds; 4 the same as an even split below that. */
+#ifndef GRAINS_PER_THREAD_LARGE
+#define GRAINS_PER_THREAD_LARGE 16
+#endif
+#define GRAINS_PER_THREAD_SMALL 4
+#define GRAINS_LARGE_FROM_TOKENS 256
+
 typedef void (*tile_fn)(const float *restrict w, int64_t ldw, int64_t kc,
                         const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,
                         int add);
@@ -280,11 +289,20 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
     int64_t kc_max = X_SLICE_BYTES / (chunk * nr * (int64_t)sizeof(float));
     kc_max = kc_max < 64 ? 64 : kc_max;
     const int64_t blocks = (N + mr - 1) / mr;
+    int64_t next_grain = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Each thread owns a range of W's rows for every chunk and slice: no barrier. */
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+        /* Threads take grains (ranges of W's rows) from a shared counter, each grain for
+         * every chunk and slice: no barrier, and a thread slowed by a noisy neighbour takes
+         * fewer grains instead of holding the others at the end. */
+        const int64_t nt = omp_get_num_threads();
+        int64_t grains = nt * (B >= GRAINS_LARGE_FROM_TOKENS ? GRAINS_PER_THREAD_LARGE
+                                                             : GRAINS_PER_THREAD_SMALL);
+        grains = grains < blocks ? grains : blocks;
+        for (;;) {
+        const int64_t g = __atomic_fetch_add(&next_grain, 1, __ATOMIC_RELAXED);
+        if (g >= grains) break;
+        const int64_t b0 = blocks * g / grains, b1 = blocks * (g + 1) / grains;
         for (int64_t p0 = 0; p0 < panels; p0 += chunk) {
             const int64_t p1 = p0 + chunk < panels ? p0 + chunk : panels;
             for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
@@ -304,6 +322,7 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
                     }
                 }
             }
+        }
         }
     }
     free(packed);
