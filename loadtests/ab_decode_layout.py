@@ -6,7 +6,9 @@
 Variants: `feature_major` (the default build: feature-major steps and the native GEMM as
 far as this host's build takes them, native prefill attention), `feature_major_mkl`
 (feature-major steps up to 512 tokens, every GEMM through MKL), `sdpa_prefill` (the default
-build with prefill attention through torch's SDPA), `token_major` (no feature-major steps).
+build with prefill attention through torch's SDPA), `torch_transpose` (the default build with
+torch's copies between the token-major and feature-major layouts), `token_major` (no
+feature-major steps).
 The default pair is feature_major,token_major. Two engines (one per variant) run the same
 requests with the same schedule and take turns, one step each, so both see the same state
 of this noisy, shared machine. Prints the time
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -30,20 +33,28 @@ from engine.model.loader import read_spec
 from loadtests.cpu_accounting import host_info
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
-# name: (feature_major_max_tokens, gemm_fm_max_tokens, native prefill attention); None:
-# the build's default on this host (on AMD AVX-512 hosts every step is feature-major and
-# every GEMM native).
+
+@dataclass(frozen=True)
+class Variant:
+    """None: the build's default on this host (on AMD AVX-512 hosts every step is
+    feature-major and every GEMM native)."""
+
+    feature_major_max_tokens: int | None = None
+    gemm_fm_max_tokens: int | None = None
+    native_prefill: bool = True
+    native_transpose: bool = True  # the layout copies; False: torch's
+
+
 VARIANTS = {
-    "feature_major": (None, None, True),
-    "feature_major_mkl": (FEATURE_MAJOR_MAX_TOKENS, 0, True),
-    "sdpa_prefill": (None, None, False),
-    "token_major": (0, 0, True),
+    "feature_major": Variant(),
+    "feature_major_mkl": Variant(FEATURE_MAJOR_MAX_TOKENS, 0),
+    "sdpa_prefill": Variant(native_prefill=False),
+    "torch_transpose": Variant(native_transpose=False),
+    "token_major": Variant(0, 0),
 }
 
 
-def _engine(
-    model_dir: str, items: list[WorkItem], variant: tuple[int | None, int | None, bool], args
-) -> LLMEngine:
+def _engine(model_dir: str, items: list[WorkItem], variant: Variant, args) -> LLMEngine:
     config = EngineConfig(
         model=model_dir,
         cache=CacheConfig(
@@ -58,13 +69,14 @@ def _engine(
     )
     engine = LLMEngine(config)
     model = engine.runner.model
-    feature_major_max_tokens, gemm_fm_max_tokens, native_prefill = variant
-    if feature_major_max_tokens is not None:
-        model.feature_major_max_tokens = feature_major_max_tokens
-    if gemm_fm_max_tokens is not None:
-        model.ops.gemm_fm_max_tokens = gemm_fm_max_tokens
-    if not native_prefill:
+    if variant.feature_major_max_tokens is not None:
+        model.feature_major_max_tokens = variant.feature_major_max_tokens
+    if variant.gemm_fm_max_tokens is not None:
+        model.ops.gemm_fm_max_tokens = variant.gemm_fm_max_tokens
+    if not variant.native_prefill:
         engine.runner.backend = TorchAttentionBackend(native_prefill=False)
+    if not variant.native_transpose:
+        model.ops._transpose = None
     for it in items:
         params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
         engine.add_request(it.request_id, it.prompt_token_ids, params)

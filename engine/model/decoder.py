@@ -84,7 +84,7 @@ class Attention(nn.Module):
         if self.qkv_proj.bias is not None:
             qkv += self.qkv_proj.bias[:, None]
         # Attention works per token: one transpose of q/k/v, then the token-major path.
-        out = self.attend(qkv.t().contiguous(), rotate, kv_cache, backend, metadata)
+        out = self.attend(ops.transposed(qkv), rotate, kv_cache, backend, metadata)
         return ops.mm_fm(self.o_proj.weight, out.t())
 
     def attend(
@@ -198,7 +198,7 @@ class Decoder(nn.Module):
         `activations @ weight.T` at the 16-256 rows of a decode step (and the vocab
         projection 15-30%): the README's benchmark section has the measurements."""
         ops = self.ops
-        h = h.t().contiguous()
+        h = ops.transposed(h)
         rotate = ops.rotary(self.rope, positions, h.dtype)
         x = ops.add_rms_norm_fm(h, None, self.layers[0].input_layernorm)
         last = len(self.layers) - 1

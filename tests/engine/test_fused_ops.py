@@ -172,3 +172,21 @@ def test_which_hosts_run_the_native_gemm() -> None:
         assert ops.gemm_fm_max_tokens == native_gemm_token_limit(
             ops._gemm.gemm_fm_isa(), host_cpu_vendor()
         )
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1792, 300), (13, 37), (1, 5), (7, 1), (768, 2048)])
+def test_transposed_copies_exactly(rows: int, cols: int) -> None:
+    """Feature-major <-> token-major: the native register transpose (AVX-512 builds; tails
+    of 16-row strips and 16-column pieces) or torch's copy, the same values either way."""
+    x = torch.randn(rows, cols)
+    out = NATIVE.transposed(x)
+    assert out.is_contiguous() and out.shape == (cols, rows)
+    assert torch.equal(out, x.t())
+    # A view that is not contiguous takes torch's copy.
+    assert torch.equal(NATIVE.transposed(x.t()), x)
+
+
+def test_transposed_is_native_on_avx512_builds() -> None:
+    ops = DecoderOps()
+    if ops._gemm is not None and ops._gemm.gemm_fm_isa() == 512:
+        assert ops._transpose is not None

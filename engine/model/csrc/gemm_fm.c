@@ -204,6 +204,39 @@ static struct gemm_variant pick_variant(int64_t B)
     return B > 16 ? WIDE : B > GEMV_MAX_TOKENS ? NARROW : GEMV;
 }
 
+/* dst [C, R] = src [R, C] transposed, 16 x 16 pieces through registers: every load and store
+ * is a run of 16 floats (torch's copy of a transposed view moves 1792 x 2048 floats, a
+ * prefill step's q/k/v, at 10-13 GB/s here; this at 55, and 85-155 on smaller ones). Threads
+ * split src's 16-row strips. */
+static void transpose_strips(const float *restrict src, int64_t R, int64_t C,
+                             float *restrict dst, int num_threads)
+{
+    const int64_t strips = (R + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (R * C > 32768)
+    for (int64_t s = 0; s < strips; ++s) {
+        const int64_t r0 = s * 16, nr = R - r0 < 16 ? R - r0 : 16;
+        const __mmask16 row_mask = lane_mask(nr);
+        for (int64_t c0 = 0; c0 < C; c0 += 16) {
+            const int64_t nc = C - c0 < 16 ? C - c0 : 16;
+            const __mmask16 col_mask = lane_mask(nc);
+            __m512 v[16];
+            for (int i = 0; i < 16; ++i)
+                v[i] = i < nr ? _mm512_maskz_loadu_ps(col_mask, src + (r0 + i) * C + c0)
+                              : _mm512_setzero_ps();
+            transpose_16x16(v);
+            for (int j = 0; j < nc; ++j)
+                _mm512_mask_storeu_ps(dst + (c0 + j) * R + r0, row_mask, v[j]);
+        }
+    }
+}
+
+int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_threads)
+{
+    if (R <= 0 || C <= 0) return -1;
+    transpose_strips(src, R, C, dst, num_threads);
+    return 0;
+}
+
 #else /* AVX2 + FMA */
 #include "tile_6x16.h"
 
@@ -232,6 +265,12 @@ static struct gemm_variant pick_variant(int64_t B)
     (void)B;
     const struct gemm_variant v = {MR, NR, tile_6x16_fm, tile_1x16_fm};
     return v;
+}
+
+int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_threads)
+{
+    (void)src, (void)R, (void)C, (void)dst, (void)num_threads;
+    return -1; /* AVX-512 builds only: the caller copies with torch */
 }
 #endif
 
@@ -332,6 +371,12 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
 #else
 
 int gemm_fm_isa(void) { return 0; }
+
+int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_threads)
+{
+    (void)src, (void)R, (void)C, (void)dst, (void)num_threads;
+    return -1;
+}
 
 int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
             int x_transposed, int num_threads)
