@@ -58,13 +58,23 @@ def _host_cpu() -> bytes:
     return "\n".join(dict.fromkeys(lines)).encode()  # each distinct line once, in order
 
 
-def host_cpu_vendor() -> str:
-    """`AuthenticAMD`, `GenuineIntel`, ... from /proc/cpuinfo; "" where it cannot be read."""
+def _cpuinfo_field(name: str) -> str:
     for line in _host_cpu().decode(errors="replace").splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
+        if key.strip() == name:
             return value.strip()
     return ""
+
+
+def host_cpu_vendor() -> str:
+    """`AuthenticAMD`, `GenuineIntel`, ... from /proc/cpuinfo; "" where it cannot be read."""
+    return _cpuinfo_field("vendor_id")
+
+
+def host_cpu_flags() -> set[str]:
+    """The CPU's feature flags (`avx2`, `avx512f`, ...) from /proc/cpuinfo; empty where it
+    cannot be read."""
+    return set(_cpuinfo_field("flags").split())
 
 
 _loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}

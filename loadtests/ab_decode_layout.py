@@ -7,7 +7,8 @@ Variants: `feature_major` (the default build: feature-major steps and the native
 far as this host's build takes them, native prefill attention), `feature_major_mkl`
 (feature-major steps up to 512 tokens, every GEMM through MKL), `sdpa_prefill` (the default
 build with prefill attention through torch's SDPA), `torch_transpose` (the default build with
-torch's copies between the token-major and feature-major layouts), `token_major` (no
+torch's copies between the token-major and feature-major layouts), `avx2_prefill` (the
+default build with the AVX2 prefill attention kernel, on an AVX-512 host), `token_major` (no
 feature-major steps).
 The default pair is feature_major,token_major. Two engines (one per variant) run the same
 requests with the same schedule and take turns, one step each, so both see the same state
@@ -24,6 +25,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from engine.attention.native import load_native_prefill
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
@@ -43,6 +45,7 @@ class Variant:
     gemm_fm_max_tokens: int | None = None
     native_prefill: bool = True
     native_transpose: bool = True  # the layout copies; False: torch's
+    prefill_flags: tuple[str, ...] = ()  # extra compiler flags of the prefill kernel
 
 
 VARIANTS = {
@@ -50,6 +53,7 @@ VARIANTS = {
     "feature_major_mkl": Variant(FEATURE_MAJOR_MAX_TOKENS, 0),
     "sdpa_prefill": Variant(native_prefill=False),
     "torch_transpose": Variant(native_transpose=False),
+    "avx2_prefill": Variant(prefill_flags=("-mno-avx512f",)),
     "token_major": Variant(0, 0),
 }
 
@@ -77,6 +81,8 @@ def _engine(model_dir: str, items: list[WorkItem], variant: Variant, args) -> LL
         engine.runner.backend = TorchAttentionBackend(native_prefill=False)
     if not variant.native_transpose:
         model.ops._transpose = None
+    if variant.prefill_flags:
+        engine.runner.backend._native_prefill = load_native_prefill(variant.prefill_flags)
     for it in items:
         params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
         engine.add_request(it.request_id, it.prompt_token_ids, params)

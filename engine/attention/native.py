@@ -1,5 +1,5 @@
 """The native CPU paged attention kernels, called via ctypes: decode (csrc/paged_decode.c)
-and causal prefill (csrc/paged_prefill.c, AVX2 + FMA hosts).
+and causal prefill (csrc/paged_prefill.c, AVX2 + FMA or AVX-512 hosts).
 
 Built on first use by `engine.native_build`; where that fails (or the CPU lacks what a kernel
 needs), the loader returns None and the pure-torch path is used instead.
@@ -21,6 +21,9 @@ _PREFILL_SOURCE = Path(__file__).with_name("csrc") / "paged_prefill.c"
 # Query rows per prefill task (positions times the kv head's query heads): each packed key
 # is reused this many times (48 rows measured ~10% slower, 96 about the same as 192).
 _PREFILL_ROWS = 192
+# No reassociation of the kernel's vector adds (-ffast-math allows it): the AVX2 and the
+# AVX-512 kernels then add each softmax row sum in the same order, and give the same numbers.
+_PREFILL_FLAGS = ("-fno-associative-math",)
 
 
 def load_native_decode() -> ctypes.CDLL | None:
@@ -81,10 +84,11 @@ def paged_decode_attention(
 
 
 @functools.cache
-def load_native_prefill() -> ctypes.CDLL | None:
+def load_native_prefill(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The prefill kernel library, or None where it cannot be built or this CPU lacks AVX2 +
-    FMA (the torch path then runs SDPA)."""
-    lib = load_native(_PREFILL_SOURCE)
+    FMA (the torch path then runs SDPA). `extra_flags`: tests build the AVX2 kernel on an
+    AVX-512 host with ("-mno-avx512f",)."""
+    lib = load_native(_PREFILL_SOURCE, (*_PREFILL_FLAGS, *extra_flags))
     if lib is None or not lib.paged_prefill_available():
         return None
     i64, ptr, int_ = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

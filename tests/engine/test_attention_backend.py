@@ -122,3 +122,41 @@ def test_native_prefill_on_long_chunks(num_heads, num_kv_heads, head_dim, block_
     assert not q_view.is_contiguous()
     backend = TorchAttentionBackend()
     _check_against_dense(backend, layout, q_view, k, v, k_cache, v_cache, contexts)
+
+
+def test_avx2_and_avx512_prefill_kernels_give_the_same_numbers():
+    """On an AVX-512 host, the AVX2 build of the prefill kernel (compiled here with
+    -mno-avx512f) and the AVX-512 build agree bit for bit: a request's numbers do not depend
+    on which of the two ISAs its host has."""
+    import ctypes
+
+    from engine.attention.native import PrefillChunks, paged_prefill_attention
+    from engine.native_build import host_cpu_flags
+
+    if "avx512f" not in host_cpu_flags() or load_native_prefill() is None:
+        pytest.skip("needs an AVX-512 host and a C compiler")
+    avx2 = load_native_prefill(("-mno-avx512f",))
+    assert avx2 is not None and avx2 is not load_native_prefill()
+    num_heads, num_kv_heads, head_dim, block_size = 12, 4, 48, 16
+    shapes = [(0, 333), (200, 130), (0, 17), (31, 97)]
+    layout, q, k, v, k_cache, v_cache, _ = make_case(
+        7, num_heads, num_kv_heads, head_dim, block_size, shapes
+    )
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k[layout.slot_mapping], flat_v[layout.slot_mapping] = k, v
+    starts = torch.tensor(layout.query_start_loc[:-1], dtype=torch.int64)
+    chunks = PrefillChunks(
+        starts,
+        torch.tensor([n for _, n in shapes], dtype=torch.int64),
+        torch.tensor(layout.num_computed, dtype=torch.int64),
+        layout.block_table.to(torch.int64).contiguous(),
+    )
+    outs = []
+    for lib in (load_native_prefill(), avx2):
+        assert isinstance(lib, ctypes.CDLL)
+        out = torch.zeros_like(q)
+        assert paged_prefill_attention(lib, q, k_cache, v_cache, chunks, out, head_dim**-0.5)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[0].abs().sum() > 0
