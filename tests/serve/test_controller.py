@@ -295,18 +295,18 @@ def test_replica_over_the_sla_target_is_throttled_live(serve_cluster):
     serve.run(build_app(args), name="slow", route_prefix="/slow")
     base = f"{serve_cluster.base_url}/slow"
     try:
-        with Load(base, burst=12, max_tokens=64) as load:
+        # Waves until then: the throttle holds only while reports carry decode steps.
+        with Load(base, burst=12, max_tokens=64, waves=True) as load:
             row = wait_for(
                 lambda: next((r for r in cluster_view(base)["replicas"] if r["throttled"]), None),
                 60,
                 "the replica to be throttled",
             )
-            wait_for(lambda: load.done, 120, "the load to finish", period=0.5)
         assert "over the 0.01 ms target" in row["reason"]
         assert row["limits"]["max_num_seqs"] < 16
         handle = serve.get_deployment_handle("EngineServer", app_name="slow")
         stats = handle.stats.remote().result()
         assert stats["decision"]["limits"]["max_num_seqs"] < 16
-        assert load.codes == [200] * 12
+        assert len(load.codes) >= 12 and set(load.codes) == {200}
     finally:
         serve.delete("slow")
