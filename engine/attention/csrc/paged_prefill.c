@@ -110,6 +110,28 @@ typedef struct {
     int live;        /* rows of this tile that are real (the rest repeat the last) */
 } tile_rows;
 
+/* The end of a softmax step, the same in both builds: alpha = exp(m_old - m_new) for the
+ * tile's rows (m_old and m_new hold 8: MR <= 8), then each live row's sum l and max m
+ * updated and its O rescaled to the new max. */
+static inline void rescale_rows(const tile_rows *tr, const float *m_old, const float *m_new,
+                                const float *sums, float *restrict m_run,
+                                float *restrict l_run, float *restrict *o_rows, int D)
+{
+    float alpha[8];
+    /* 0 (about 1e-38) after NEG_BIG: the first step, when O is still zero. */
+    _mm256_storeu_ps(alpha, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(m_old),
+                                                          _mm256_loadu_ps(m_new))));
+    for (int r = 0; r < tr->live; ++r) {
+        l_run[r] = l_run[r] * alpha[r] + sums[r];
+        m_run[r] = m_new[r];
+        if (alpha[r] != 1.f) {
+            float *restrict o = o_rows[r];
+            const float a = alpha[r];
+            for (int d = 0; d < D; ++d) o[d] *= a;
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 /* exp_nonpositive on 16 lanes: the same operations lane by lane, so the same numbers. */
 static inline __m512 exp_nonpositive_512(__m512 x)
@@ -169,7 +191,7 @@ static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restri
                                 float *restrict *o_rows, int D)
 {
     const __m512 neg = _mm512_set1_ps(NEG_BIG);
-    float m_old[MR], m_new[MR], sums[MR], alpha[MR];
+    float m_old[8], m_new[8], sums[MR];
     for (int r = 0; r < MR; ++r) m_old[r] = r < tr->live ? m_run[r] : NEG_BIG;
     for (int r = 0; r < MR; ++r) {
         const __m512 x0 = _mm512_mask_loadu_ps(neg, visible_512(tr->pos[r], key0, 0), s + r * KW);
@@ -193,19 +215,7 @@ static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restri
         sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e1, 1));
         sums[r] = sum_lanes(sum);
     }
-    /* 0 (about 1e-38) after NEG_BIG: the first step, when O is still zero. */
-    _mm256_storeu_ps(alpha, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(m_old),
-                                                          _mm256_loadu_ps(m_new))));
-    for (int r = 0; r < tr->live; ++r) {
-        l_run[r] = l_run[r] * alpha[r] + sums[r];
-        m_run[r] = m_new[r];
-        if (alpha[r] != 1.f) {
-            const __m512 av = _mm512_set1_ps(alpha[r]);
-            float *o = o_rows[r];
-            for (int d = 0; d < D; d += 16)
-                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), av));
-        }
-    }
+    rescale_rows(tr, m_old, m_new, sums, m_run, l_run, o_rows, D);
 }
 
 /* O[r] += sum_j P[r][j] V[key0 + j] over the step's n keys, in j's order (as the AVX2
@@ -274,7 +284,7 @@ static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restri
     const __m256 neg = _mm256_set1_ps(NEG_BIG);
     float m_old[8] = {NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG};
     float m_new[8] = {NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG};
-    float sums[MR], alpha[8];
+    float sums[MR];
     for (int r = 0; r < tr->live; ++r) m_old[r] = m_run[r];
     for (int r = 0; r < MR; ++r) {
         __m256 mx = neg;
@@ -298,19 +308,7 @@ static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restri
         }
         sums[r] = sum_lanes(sum);
     }
-    /* 0 (about 1e-38) after NEG_BIG: the first step, when O is still zero. */
-    _mm256_storeu_ps(alpha, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(m_old),
-                                                          _mm256_loadu_ps(m_new))));
-    for (int r = 0; r < tr->live; ++r) {
-        l_run[r] = l_run[r] * alpha[r] + sums[r];
-        m_run[r] = m_new[r];
-        if (alpha[r] != 1.f) {
-            const __m256 av = _mm256_set1_ps(alpha[r]);
-            float *o = o_rows[r];
-            for (int d = 0; d < D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), av));
-        }
-    }
+    rescale_rows(tr, m_old, m_new, sums, m_run, l_run, o_rows, D);
 }
 
 /* O[r] += sum_j P[r][j] V[key0 + j] over the block's n keys, 16 columns at a time. */
