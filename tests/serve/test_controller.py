@@ -211,19 +211,20 @@ def test_burst_scales_up_then_back_down_without_failures(scaling_app):
         "one replica",
     )
     with Load(scaling_app, trickle=True) as trickle:
-        with Load(scaling_app, burst=64, max_tokens=160) as burst:
+        # Waves of 64 until the second replica serves: one wave of the tiny model can end
+        # before a new replica has started (8 s here), and Serve then stops it unstarted.
+        with Load(scaling_app, burst=64, max_tokens=160, waves=True) as burst:
             t0 = time.monotonic()
             wait_for(lambda: running_engines("scaling") >= 2, 60, "a second engine replica")
             scaled_up_after = time.monotonic() - t0
             # Both replicas report to the controller.
             wait_for(lambda: cluster_view(scaling_app)["num_replicas"] == 2, 20, "2 in the view")
-            wait_for(lambda: burst.done, 300, "the burst to finish", period=0.5)
         t1 = time.monotonic()
         wait_for(lambda: engine_replica_states("scaling") == {"RUNNING": 1}, 90, "scale down to 1")
         scaled_down_after = time.monotonic() - t1
         # The removed replica drops out of the controller's view.
         wait_for(lambda: cluster_view(scaling_app)["num_replicas"] == 1, 20, "1 in the view")
-    assert burst.codes == [200] * 64
+    assert len(burst.codes) >= 64 and set(burst.codes) == {200}
     assert trickle.codes and set(trickle.codes) == {200}
     print(f"scaled up {scaled_up_after:.1f} s into the burst, down {scaled_down_after:.1f} s after")
 
@@ -249,7 +250,9 @@ def test_killing_the_controller_fails_no_request_and_control_resumes(serve_clust
     name = _controller_name("llm")
     assert name is not None
     handle = serve.get_deployment_handle("EngineServer", app_name="llm")
-    with Load(base, trickle=True) as trickle, Load(base, burst=16, max_tokens=256) as burst:
+    # 480 tokens each: the burst must outlast the 0.5 s below (the tiny model decodes 8
+    # requests in ~3 ms a step here).
+    with Load(base, trickle=True) as trickle, Load(base, burst=16, max_tokens=480) as burst:
         time.sleep(0.5)
         assert not burst.done
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
