@@ -189,7 +189,8 @@ def test_controller_hears_every_replica_and_engines_apply_its_limits(serve_clust
         )
     assert raised and set(waves.codes) <= {200}
     peak = {"running": 0}
-    with Load(scaling_app, burst=8, max_tokens=64) as load:
+    # 256 tokens: long enough that sampling every 50 ms sees the batch (~3 ms a step here).
+    with Load(scaling_app, burst=8, max_tokens=256) as load:
         from ray import serve
 
         handle = serve.get_deployment_handle("EngineServer", app_name="scaling")
