@@ -311,6 +311,35 @@ static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_trans
     }
 }
 
+/* Rows of W's blocks b0 .. b1-1 (mr rows each) against every packed panel: X in chunks of
+ * panels and slices of k sized to stay in L2 while the weight rows stream past. */
+static void run_grain(const struct gemm_variant *v, const float *w, const float *packed,
+                      float *out, int64_t N, int64_t K, int64_t B, int64_t chunk,
+                      int64_t kc_max, int64_t b0, int64_t b1)
+{
+    const int64_t mr = v->mr, nr = v->nr, panels = (B + nr - 1) / nr;
+    for (int64_t p0 = 0; p0 < panels; p0 += chunk) {
+        const int64_t p1 = p0 + chunk < panels ? p0 + chunk : panels;
+        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+            const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
+            const int add = k0 > 0;
+            for (int64_t blk = b0; blk < b1; ++blk) {
+                const int64_t i = blk * mr;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
+                    const float *xp = packed + (p * K + k0) * nr;
+                    if (i + mr <= N) {
+                        v->full(w + i * K + k0, K, kc, xp, out + i * B + j0, B, n, add);
+                    } else {
+                        for (int64_t r = i; r < N; ++r)
+                            v->row(w + r * K + k0, K, kc, xp, out + r * B + j0, B, n, add);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* Returns 0, or -1 (nothing written) for an empty shape or when the packing buffer cannot
  * be allocated: the caller then computes the product another way. */
 int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
@@ -338,31 +367,9 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
         int64_t grains = nt * (B >= GRAINS_LARGE_FROM_TOKENS ? GRAINS_PER_THREAD_LARGE
                                                              : GRAINS_PER_THREAD_SMALL);
         grains = grains < blocks ? grains : blocks;
-        for (;;) {
-        const int64_t g = __atomic_fetch_add(&next_grain, 1, __ATOMIC_RELAXED);
-        if (g >= grains) break;
-        const int64_t b0 = blocks * g / grains, b1 = blocks * (g + 1) / grains;
-        for (int64_t p0 = 0; p0 < panels; p0 += chunk) {
-            const int64_t p1 = p0 + chunk < panels ? p0 + chunk : panels;
-            for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-                const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
-                const int add = k0 > 0;
-                for (int64_t blk = b0; blk < b1; ++blk) {
-                    const int64_t i = blk * mr;
-                    for (int64_t p = p0; p < p1; ++p) {
-                        const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
-                        const float *xp = packed + (p * K + k0) * nr;
-                        if (i + mr <= N) {
-                            v.full(w + i * K + k0, K, kc, xp, out + i * B + j0, B, n, add);
-                        } else {
-                            for (int64_t r = i; r < N; ++r)
-                                v.row(w + r * K + k0, K, kc, xp, out + r * B + j0, B, n, add);
-                        }
-                    }
-                }
-            }
-        }
-        }
+        for (int64_t g; (g = __atomic_fetch_add(&next_grain, 1, __ATOMIC_RELAXED)) < grains;)
+            run_grain(&v, w, packed, out, N, K, B, chunk, kc_max, blocks * g / grains,
+                      blocks * (g + 1) / grains);
     }
     free(packed);
     return 0;
