@@ -8,8 +8,9 @@ far as this host's build takes them, native prefill attention), `feature_major_m
 (feature-major steps up to 512 tokens, every GEMM through MKL), `sdpa_prefill` (the default
 build with prefill attention through torch's SDPA), `torch_transpose` (the default build with
 torch's copies between the token-major and feature-major layouts), `avx2_prefill` (the
-default build with the AVX2 prefill attention kernel, on an AVX-512 host), `token_major` (no
-feature-major steps).
+default build with the AVX2 prefill attention kernel, on an AVX-512 host),
+`row_major_weights` (the default build with the GEMM weights row-major instead of the W16
+layout), `token_major` (no feature-major steps).
 The default pair is feature_major,token_major. Two engines (one per variant) run the same
 requests with the same schedule and take turns, one step each, so both see the same state
 of this noisy, shared machine. Prints the time
@@ -46,15 +47,17 @@ class Variant:
     native_prefill: bool = True
     native_transpose: bool = True  # the layout copies; False: torch's
     prefill_flags: tuple[str, ...] = ()  # extra compiler flags of the prefill kernel
+    packed_weights: bool = True  # the W16 layout where the build packs; False: row-major
 
 
 VARIANTS = {
     "feature_major": Variant(),
-    "feature_major_mkl": Variant(FEATURE_MAJOR_MAX_TOKENS, 0),
+    "feature_major_mkl": Variant(FEATURE_MAJOR_MAX_TOKENS, 0, packed_weights=False),
     "sdpa_prefill": Variant(native_prefill=False),
     "torch_transpose": Variant(native_transpose=False),
     "avx2_prefill": Variant(prefill_flags=("-mno-avx512f",)),
-    "token_major": Variant(0, 0),
+    "row_major_weights": Variant(packed_weights=False),
+    "token_major": Variant(0, 0, packed_weights=False),
 }
 
 
@@ -79,6 +82,8 @@ def _engine(model_dir: str, items: list[WorkItem], variant: Variant, args) -> LL
         model.ops.gemm_fm_max_tokens = variant.gemm_fm_max_tokens
     if not variant.native_prefill:
         engine.runner.backend = TorchAttentionBackend(native_prefill=False)
+    if not variant.packed_weights:
+        model.unpack_weights()
     if not variant.native_transpose:
         model.ops._transpose = None
     if variant.prefill_flags:

@@ -40,6 +40,27 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class PackedLinear(nn.Module):
+    """A Linear layer whose weight is a `PackedWeight`, which the feature-major path's
+    native GEMM reads (see `Decoder.pack_weights`). `forward`, the token-major path, which
+    the hosts that pack never take, unpacks the weight on every call."""
+
+    def __init__(self, linear: nn.Linear, ops: DecoderOps) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = ops.pack(linear.weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.unpacked(), self.bias)
+
+    def unpacked(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = nn.Parameter(self.weight.unpacked(), requires_grad=False)
+        linear.bias = self.bias
+        return linear
+
+
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
@@ -213,6 +234,39 @@ class Decoder(nn.Module):
         h = ops.add_rms_norm_fm(h[:, logits_indices].contiguous(), None, self.norm)
         # A [tokens, vocab] view of the [vocab, tokens] product: the sampler reads it as is.
         return ops.mm_fm(self.lm_head.weight, h).t()
+
+    def _gemm_weight_names(self) -> list[str]:
+        """The Linear layers only GEMMs read (a tied LM head is the embedding too)."""
+        names = [
+            f"layers.{i}.{sub}"
+            for i in range(len(self.layers))
+            for sub in (
+                "self_attn.qkv_proj",
+                "self_attn.o_proj",
+                "mlp.gate_up_proj",
+                "mlp.down_proj",
+            )
+        ]
+        return names if self.spec.tie_word_embeddings else [*names, "lm_head"]
+
+    def pack_weights(self) -> None:
+        """Move the GEMM weights to the native GEMM's W16 layout where `ops.packs_weights`
+        and the model is CPU float32 (call after loading and moving the model): decode
+        steps of 1-16 requests 1.3-1.5x faster, larger ones 1.03-1.13x, prefill the same
+        (README). The row-major copies are dropped. Elsewhere a no-op."""
+        if not (self.ops.packs_weights and self.ops.applies(self.norm.weight)):
+            return
+        for name in self._gemm_weight_names():
+            module = self.get_submodule(name)
+            if isinstance(module, nn.Linear):
+                self.set_submodule(name, PackedLinear(module, self.ops))
+
+    def unpack_weights(self) -> None:
+        """Undo `pack_weights` (A/B runs of the row-major layout)."""
+        for name in self._gemm_weight_names():
+            module = self.get_submodule(name)
+            if isinstance(module, PackedLinear):
+                self.set_submodule(name, module.unpacked())
 
     def load_checkpoint(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Raises ValueError on a

@@ -42,6 +42,7 @@ class TorchModelRunner:
         self.model = Decoder(spec, spec.max_position_embeddings).to(self.dtype)
         self.model.load_checkpoint(load_state_dict(config.model, self.dtype))
         self.model.to(self.device).eval()
+        self.model.pack_weights()
         self.backend = get_attention_backend(config.attention_backend, config.device)
         self.block_size = config.cache.block_size
         self._num_blocks = self._size_cache(config.cache)

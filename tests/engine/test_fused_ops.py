@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.decoder import RMSNorm
-from engine.model.fused import DecoderOps, argmax_last_dim, native_gemm_token_limit
+from engine.model.decoder import Decoder, PackedLinear, RMSNorm
+from engine.model.fused import (
+    DecoderOps,
+    PackedWeight,
+    argmax_last_dim,
+    native_gemm_token_limit,
+)
+from engine.model.loader import load_state_dict, read_spec
 from engine.model.rope import RotaryEmbedding
 from engine.native_build import host_cpu_vendor
+from tests.conftest import tiny_model_dir
 
 NATIVE = DecoderOps(native=True)
 TORCH = DecoderOps(native=False)
@@ -147,6 +154,52 @@ def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> N
         assert torch.equal(ops.mm_fm(weight, x[:, lo:hi]), whole[:, lo:hi])
     # A non-contiguous (transposed) activation and a transposed result view are accepted.
     assert torch.equal(ops.mm_fm(weight, x.t().contiguous().t()), whole)
+
+
+@pytest.mark.parametrize(("n", "k", "t"), [*_GEMM_SHAPES, (40, 64, 8), (1280, 768, 12)])
+@pytest.mark.parametrize("token_major", [False, True])
+def test_packed_weights_give_the_row_major_numbers(n: int, k: int, t: int, token_major) -> None:
+    """The W16 layout (blocks of 16 rows stored [K][16]; rows past N zero) changes where
+    the kernels read W, not the FMAs: bit-identical products for every tile and the GEMV,
+    row tails included. Without the AVX-512 build it takes torch on the unpacked weight."""
+    torch.manual_seed(n * k + t)
+    weight = torch.randn(n, k)
+    x = torch.randn(t, k).t() if token_major else torch.randn(k, t)
+    packed = PackedWeight(weight)
+    assert packed.shape == (n, k) and packed.data.shape == (-(-n // 16), k, 16)
+    assert torch.equal(packed.unpacked(), weight)
+    out = NATIVE.mm_fm(packed, x)
+    if NATIVE.packs_weights:
+        assert torch.equal(out, NATIVE.mm_fm(weight, x))
+    else:
+        torch.testing.assert_close(out, torch.mm(weight, x))
+
+
+def test_decoder_packs_its_gemm_weights_where_the_native_gemm_runs_every_step() -> None:
+    """`pack_weights` swaps each GEMM-only Linear for a PackedLinear (the tied LM head, also
+    the embedding, stays row-major); `unpack_weights` gives back the same weights, and the
+    token-major forward of a PackedLinear computes what the Linear did."""
+    model_dir = tiny_model_dir("qwen2")  # tied embeddings, qkv bias
+    spec = read_spec(model_dir)
+    decoder = Decoder(spec, spec.max_position_embeddings)
+    decoder.load_checkpoint(load_state_dict(model_dir, torch.float32))
+    before = {name: p.clone() for name, p in decoder.state_dict().items()}
+    qkv = decoder.layers[0].self_attn.qkv_proj
+    x = torch.randn(5, qkv.in_features)
+    expected = qkv(x)
+    decoder.pack_weights()
+    packed = decoder.layers[0].self_attn.qkv_proj
+    if not decoder.ops.packs_weights:
+        assert packed is qkv
+        return
+    assert isinstance(packed, PackedLinear) and packed.bias is not None
+    assert torch.equal(packed(x), expected)
+    assert isinstance(decoder.layers[-1].mlp.down_proj, PackedLinear)
+    assert isinstance(decoder.lm_head, torch.nn.Linear)  # tied to embed_tokens
+    decoder.unpack_weights()
+    after = decoder.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], before[name]) for name in before)
 
 
 def test_gemm_past_the_token_limit_and_empty_batches_take_torch() -> None:

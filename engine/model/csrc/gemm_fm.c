@@ -60,15 +60,29 @@ struct gemm_variant {
  * rows at once, more than the hardware prefetcher follows. 1.4-1.5x at 1-32 tokens with
  * the weights coming from DRAM, ~5% at 64-128, even from 160 (README). */
 #define W_PREFETCH 32
+#ifndef W16_PF
+#define W16_PF 128
+#endif
+#ifndef GEMV_W16_PF
+#define GEMV_W16_PF 128
+#endif
+#ifndef GEMV_W16_PF_FROM
+#define GEMV_W16_PF_FROM 2
+#endif
 
 static inline __mmask16 lane_mask(int64_t n)
 {
     return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
 }
 
-/* Rows 0..R-1 of w (row stride ldw) over kc values of k against one packed panel slice of
- * V * 16 columns; n valid columns; add: accumulate onto out (a later slice of k). */
-#define DEFINE_TILE(NAME, R, V, PF)                                                            \
+/* W's element (r, k) for a tile at w: row-major (row stride ldw), or in the W16 layout
+ * (`gemm_fm_w16`: blocks of 16 rows stored [K][16], w at the tile's first row). */
+#define W_AT(W16, w, ldw, r, k) ((W16) ? (w)[(k) * 16 + (r)] : (w)[(r) * (ldw) + (k)])
+
+/* Rows 0..R-1 of w over kc values of k against one packed panel slice of V * 16 columns; n
+ * valid columns; add: accumulate onto out (a later slice of k). Row-major weights are
+ * prefetched PF floats ahead in each row; W16 ones are one stream the hardware follows. */
+#define DEFINE_TILE(NAME, R, V, PF, W16)                                                       \
     static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
                      const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
                      int add)                                                                  \
@@ -83,14 +97,17 @@ static inline __mmask16 lane_mask(int64_t n)
                             : _mm512_setzero_ps();                                             \
         }                                                                                      \
         for (int64_t k = 0; k < kc; ++k) {                                                     \
-            if (PF && (k & 15) == 0)                                                           \
+            if (PF && !(W16) && (k & 15) == 0)                                                 \
                 _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                          \
                     _mm_prefetch((const char *)(w + r * ldw + k + PF), _MM_HINT_T0);           \
+            if (PF && (W16) && (k & 3) == 0)                                                   \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)                           \
+                    _mm_prefetch((const char *)(w + (k + q + W16_PF) * 16), _MM_HINT_T0);      \
             const __m512 x0 = _mm512_load_ps(xp + k * V * 16);                                 \
             const __m512 x1 = V == 2 ? _mm512_load_ps(xp + k * V * 16 + 16) : x0;              \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r)                              \
             {                                                                                  \
-                const __m512 a = _mm512_set1_ps(w[r * ldw + k]);                               \
+                const __m512 a = _mm512_set1_ps(W_AT(W16, w, ldw, r, k));                      \
                 c0[r] = _mm512_fmadd_ps(a, x0, c0[r]);                                         \
                 if (V == 2) c1[r] = _mm512_fmadd_ps(a, x1, c1[r]);                             \
             }                                                                                  \
@@ -105,10 +122,14 @@ static inline __mmask16 lane_mask(int64_t n)
 /* Wide panels (32 columns, 8 x 32 tile, 16 accumulators: two FMA pipes of four cycles'
  * latency need 8 chains) from 17 tokens; narrow ones (16 columns, 16 x 16 tile) below, where
  * a wide panel would be mostly padding. */
-DEFINE_TILE(tile_8x32, 8, 2, W_PREFETCH)
-DEFINE_TILE(tile_1x32, 1, 2, 0)
-DEFINE_TILE(tile_16x16, 16, 1, W_PREFETCH)
-DEFINE_TILE(tile_1x16_512, 1, 1, 0)
+DEFINE_TILE(tile_8x32, 8, 2, W_PREFETCH, 0)
+DEFINE_TILE(tile_1x32, 1, 2, 0, 0)
+DEFINE_TILE(tile_16x16, 16, 1, W_PREFETCH, 0)
+DEFINE_TILE(tile_1x16_512, 1, 1, 0, 0)
+DEFINE_TILE(tile_8x32_w16, 8, 2, 1, 1)
+DEFINE_TILE(tile_1x32_w16, 1, 2, 0, 1)
+DEFINE_TILE(tile_16x16_w16, 16, 1, 1, 1)
+DEFINE_TILE(tile_1x16_w16, 1, 1, 0, 1)
 
 /* r[i] (row i of a 16 x 16 block) -> r[j] (column j): four rounds of in-register
  * shuffles, 64 in all. */
@@ -195,14 +216,75 @@ static void gemv_16(const float *restrict w, int64_t ldw, int64_t kc, const floa
     else gemv_16x8(w, ldw, kc, xp, out, ldo, n, add);
 }
 
+/* The GEMV on W16 weights, for NT (1, 2, 4 or 8) columns packed NT wide: a block's 16
+ * rows at one k are one vector, so no register transposes (those held the row-major GEMV
+ * near 50 GB/s a core, under what DRAM delivers), and X's panel is only as wide as the
+ * batch (a 16-wide one cost a cache line of X per k). The same FMAs in the same order as
+ * gemv_16 and the tiles. `_row` does one row (a tail of W's rows), columns as lanes. */
+#define DEFINE_GEMV_W16(NAME, NT)                                                              \
+    static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
+                     const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
+                     int add)                                                                  \
+    {                                                                                          \
+        (void)ldw;                                                                             \
+        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, \
+                                                                 7, 6, 5, 4, 3, 2, 1, 0),      \
+                                                _mm512_set1_epi32((int)ldo));                  \
+        __m512 acc[NT];                                                                        \
+        for (int j = 0; j < NT; ++j)                                                           \
+            acc[j] = add && j < n ? _mm512_i32gather_ps(rows, out + j, 4) : _mm512_setzero_ps(); \
+        _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; ++k)                              \
+        {                                                                                      \
+            if (GEMV_W16_PF && NT >= GEMV_W16_PF_FROM && (k & 3) == 0)                         \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q)                           \
+                    _mm_prefetch((const char *)(w + (k + q + GEMV_W16_PF) * 16), _MM_HINT_T0); \
+            const __m512 a = _mm512_loadu_ps(w + k * 16);                                      \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j)                              \
+                acc[j] = _mm512_fmadd_ps(a, _mm512_set1_ps(xp[k * NT + j]), acc[j]);           \
+        }                                                                                      \
+        if (ldo == 1) /* one column: the 16 outputs are contiguous */                          \
+            _mm512_storeu_ps(out, acc[0]);                                                     \
+        else                                                                                   \
+            for (int j = 0; j < NT && j < n; ++j)                                              \
+                _mm512_i32scatter_ps(out + j, rows, acc[j], 4);                                \
+    }                                                                                          \
+    static void NAME##_row(const float *restrict w, int64_t ldw, int64_t kc,                   \
+                           const float *restrict xp, float *restrict out, int64_t ldo,         \
+                           int64_t n, int add)                                                 \
+    {                                                                                          \
+        (void)ldw, (void)ldo;                                                                  \
+        const __mmask16 m = lane_mask(n), panel = lane_mask(NT);                               \
+        __m512 c = add ? _mm512_maskz_loadu_ps(m, out) : _mm512_setzero_ps();                 \
+        for (int64_t k = 0; k < kc; ++k)                                                       \
+            c = _mm512_fmadd_ps(_mm512_set1_ps(w[k * 16]),                                     \
+                                _mm512_maskz_loadu_ps(panel, xp + k * NT), c);                 \
+        _mm512_mask_storeu_ps(out, m, c);                                                      \
+    }
+
+DEFINE_GEMV_W16(gemv_w16x1, 1)
+DEFINE_GEMV_W16(gemv_w16x2, 2)
+DEFINE_GEMV_W16(gemv_w16x4, 4)
+DEFINE_GEMV_W16(gemv_w16x8, 8)
+
 static const struct gemm_variant WIDE = {8, 32, tile_8x32, tile_1x32};
 static const struct gemm_variant NARROW = {16, 16, tile_16x16, tile_1x16_512};
 static const struct gemm_variant GEMV = {16, 16, gemv_16, tile_1x16_512};
+static const struct gemm_variant WIDE_W16 = {8, 32, tile_8x32_w16, tile_1x32_w16};
+static const struct gemm_variant NARROW_W16 = {16, 16, tile_16x16_w16, tile_1x16_w16};
+static const struct gemm_variant GEMV_W16[4] = {{16, 1, gemv_w16x1, gemv_w16x1_row},
+                                                 {16, 2, gemv_w16x2, gemv_w16x2_row},
+                                                 {16, 4, gemv_w16x4, gemv_w16x4_row},
+                                                 {16, 8, gemv_w16x8, gemv_w16x8_row}};
 
-static struct gemm_variant pick_variant(int64_t B)
+static struct gemm_variant pick_variant(int64_t B, int w16)
 {
+    if (w16)
+        return B > 16              ? WIDE_W16
+               : B > GEMV_MAX_TOKENS ? NARROW_W16
+                                     : GEMV_W16[B <= 1 ? 0 : B <= 2 ? 1 : B <= 4 ? 2 : 3];
     return B > 16 ? WIDE : B > GEMV_MAX_TOKENS ? NARROW : GEMV;
 }
+#define HAVE_W16 1
 
 /* dst [C, R] = src [R, C] transposed, 16 x 16 pieces through registers: every load and store
  * is a run of 16 floats (torch's copy of a transposed view moves 1792 x 2048 floats, a
@@ -244,6 +326,7 @@ int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_thr
 /* Zen 3's L2 is 512 KiB per core. */
 #define X_SLICE_BYTES (192 * 1024)
 #define MAX_CHUNK_COLUMNS 192
+#define HAVE_W16 0
 
 static void tile_6x16_fm(const float *restrict w, int64_t ldw, int64_t kc,
                          const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,
@@ -260,9 +343,9 @@ static void tile_1x16_fm(const float *restrict w, int64_t ldw, int64_t kc,
     tile_1x16(w, kc, xp, out, n, add);
 }
 
-static struct gemm_variant pick_variant(int64_t B)
+static struct gemm_variant pick_variant(int64_t B, int w16)
 {
-    (void)B;
+    (void)B, (void)w16; /* no W16 kernels in this build: gemm_fm_w16 says so */
     const struct gemm_variant v = {MR, NR, tile_6x16_fm, tile_1x16_fm};
     return v;
 }
@@ -313,9 +396,16 @@ static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_trans
 
 /* Rows of W's blocks b0 .. b1-1 (mr rows each) against every packed panel: X in chunks of
  * panels and slices of k sized to stay in L2 while the weight rows stream past. */
-static void run_grain(const struct gemm_variant *v, const float *w, const float *packed,
-                      float *out, int64_t N, int64_t K, int64_t B, int64_t chunk,
-                      int64_t kc_max, int64_t b0, int64_t b1)
+/* Where row `row`'s values from k0 on start: row-major W, or W16 (rows in blocks of 16,
+ * each block [K][16]). */
+static inline const float *w_row(const float *w, int w16, int64_t K, int64_t row, int64_t k0)
+{
+    return w16 ? w + (row / 16) * K * 16 + k0 * 16 + row % 16 : w + row * K + k0;
+}
+
+static void run_grain(const struct gemm_variant *v, const float *w, int w16,
+                      const float *packed, float *out, int64_t N, int64_t K, int64_t B,
+                      int64_t chunk, int64_t kc_max, int64_t b0, int64_t b1)
 {
     const int64_t mr = v->mr, nr = v->nr, panels = (B + nr - 1) / nr;
     for (int64_t p0 = 0; p0 < panels; p0 += chunk) {
@@ -329,10 +419,12 @@ static void run_grain(const struct gemm_variant *v, const float *w, const float 
                     const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
                     const float *xp = packed + (p * K + k0) * nr;
                     if (i + mr <= N) {
-                        v->full(w + i * K + k0, K, kc, xp, out + i * B + j0, B, n, add);
+                        v->full(w_row(w, w16, K, i, k0), K, kc, xp, out + i * B + j0, B, n,
+                                add);
                     } else {
                         for (int64_t r = i; r < N; ++r)
-                            v->row(w + r * K + k0, K, kc, xp, out + r * B + j0, B, n, add);
+                            v->row(w_row(w, w16, K, r, k0), K, kc, xp, out + r * B + j0, B,
+                                   n, add);
                     }
                 }
             }
@@ -340,17 +432,19 @@ static void run_grain(const struct gemm_variant *v, const float *w, const float 
     }
 }
 
-/* Returns 0, or -1 (nothing written) for an empty shape or when the packing buffer cannot
- * be allocated: the caller then computes the product another way. */
-int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
-            int x_transposed, int num_threads)
+static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t N, int64_t K,
+                    int64_t B, int x_transposed, int num_threads)
 {
     if (N <= 0 || K <= 0 || B <= 0) return -1;
-    const struct gemm_variant v = pick_variant(B);
+    const struct gemm_variant v = pick_variant(B, w16);
     const int64_t mr = v.mr, nr = v.nr, panels = (B + nr - 1) / nr;
-    float *packed = aligned_alloc(64, (size_t)(panels * K * nr) * sizeof(float));
+    /* One panel exactly as wide as X is X itself (or, for one column, its transpose), if
+     * aligned as the tiles' panel loads need. */
+    const int as_is = panels == 1 && nr == B && (!x_transposed || B == 1) &&
+                      ((uintptr_t)x & 63) == 0;
+    float *packed = as_is ? (float *)x : aligned_alloc(64, (size_t)(panels * K * nr) * sizeof(float));
     if (packed == NULL) return -1;
-    pack_x(x, K, B, nr, x_transposed, packed, num_threads);
+    if (!as_is) pack_x(x, K, B, nr, x_transposed, packed, num_threads);
     /* A chunk of panels and a slice of k: X's part of the work that stays in L2. */
     const int64_t max_chunk = MAX_CHUNK_COLUMNS / nr;
     const int64_t chunk = panels < max_chunk ? panels : max_chunk;
@@ -368,11 +462,30 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
                                                              : GRAINS_PER_THREAD_SMALL);
         grains = grains < blocks ? grains : blocks;
         for (int64_t g; (g = __atomic_fetch_add(&next_grain, 1, __ATOMIC_RELAXED)) < grains;)
-            run_grain(&v, w, packed, out, N, K, B, chunk, kc_max, blocks * g / grains,
+            run_grain(&v, w, w16, packed, out, N, K, B, chunk, kc_max, blocks * g / grains,
                       blocks * (g + 1) / grains);
     }
-    free(packed);
+    if (!as_is) free(packed);
     return 0;
+}
+
+/* Returns 0, or -1 (nothing written) for an empty shape or when the packing buffer cannot
+ * be allocated: the caller then computes the product another way. */
+int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+            int x_transposed, int num_threads)
+{
+    return gemm_run(w, 0, x, out, N, K, B, x_transposed, num_threads);
+}
+
+/* gemm_fm with W in the W16 layout: [ceil(N / 16)][K][16], W[16 b + r][k] at
+ * (b * K + k) * 16 + r, zero rows past N, 64-byte aligned. Each 16-row block of W is one
+ * sequential stream, and the GEMV loads 16 rows' values at one k as one vector. The same
+ * numbers as gemm_fm on the row-major W. -1 as gemm_fm, and always on builds without it. */
+int gemm_fm_w16(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+                int x_transposed, int num_threads)
+{
+    if (!HAVE_W16) return -1;
+    return gemm_run(w, 1, x, out, N, K, B, x_transposed, num_threads);
 }
 
 #else
@@ -391,6 +504,12 @@ int gemm_fm(const float *w, const float *x, float *out, int64_t N, int64_t K, in
     (void)w, (void)x, (void)out, (void)N, (void)K, (void)B, (void)x_transposed;
     (void)num_threads;
     return -1; /* not built for this CPU: callers check gemm_fm_isa() first */
+}
+
+int gemm_fm_w16(const float *w, const float *x, float *out, int64_t N, int64_t K, int64_t B,
+                int x_transposed, int num_threads)
+{
+    return gemm_fm(w, x, out, N, K, B, x_transposed, num_threads);
 }
 
 #endif
