@@ -10,7 +10,8 @@ build with prefill attention through torch's SDPA), `torch_transpose` (the defau
 torch's copies between the token-major and feature-major layouts), `avx2_prefill` (the
 default build with the AVX2 prefill attention kernel, on an AVX-512 host),
 `row_major_weights` (the default build with the GEMM weights row-major instead of the W16
-layout), `token_major` (no feature-major steps).
+layout), `row_grains` (the GEMM's threads split W's rows only, not X's chunks), `token_major`
+(no feature-major steps).
 The default pair is feature_major,token_major. Two engines (one per variant) run the same
 requests with the same schedule and take turns, one step each, so both see the same state
 of this noisy, shared machine. Prints the time
@@ -32,6 +33,7 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.decoder import FEATURE_MAJOR_MAX_TOKENS
+from engine.model.fused import load_gemm
 from engine.model.loader import read_spec
 from loadtests.cpu_accounting import host_info
 from loadtests.workload import WorkItem, load_workload, resolve_model
@@ -48,6 +50,7 @@ class Variant:
     native_transpose: bool = True  # the layout copies; False: torch's
     prefill_flags: tuple[str, ...] = ()  # extra compiler flags of the prefill kernel
     packed_weights: bool = True  # the W16 layout where the build packs; False: row-major
+    gemm_flags: tuple[str, ...] = ()  # extra compiler flags of the native GEMM
 
 
 VARIANTS = {
@@ -57,6 +60,7 @@ VARIANTS = {
     "torch_transpose": Variant(native_transpose=False),
     "avx2_prefill": Variant(prefill_flags=("-mno-avx512f",)),
     "row_major_weights": Variant(packed_weights=False),
+    "row_grains": Variant(gemm_flags=("-DGRAINS_2D=0",)),
     "token_major": Variant(0, 0, packed_weights=False),
 }
 
@@ -82,6 +86,8 @@ def _engine(model_dir: str, items: list[WorkItem], variant: Variant, args) -> LL
         model.ops.gemm_fm_max_tokens = variant.gemm_fm_max_tokens
     if not variant.native_prefill:
         engine.runner.backend = TorchAttentionBackend(native_prefill=False)
+    if variant.gemm_flags:
+        model.ops._gemm = load_gemm(variant.gemm_flags)
     if not variant.packed_weights:
         model.unpack_weights()
     if not variant.native_transpose:

@@ -64,10 +64,10 @@ def _load() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _load_gemm() -> ctypes.CDLL | None:
+def load_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The feature-major GEMM (AVX2 + FMA or AVX-512 build), or None where it does not apply
-    (no compiler, neither ISA)."""
-    lib = load_native(_GEMM_SOURCE)
+    (no compiler, neither ISA). `extra_flags` (compiler flags) give A/B builds."""
+    lib = load_native(_GEMM_SOURCE, extra_flags)
     if lib is None or not lib.gemm_fm_isa():
         return None
     for gemm in (lib.gemm_fm, lib.gemm_fm_w16):
@@ -107,7 +107,7 @@ class DecoderOps:
 
     def __init__(self, native: bool = True) -> None:
         self._lib = _load() if native else None
-        self._gemm = _load_gemm() if native else None
+        self._gemm = load_gemm() if native else None
         # Steps of at most this many tokens use the native GEMM where it loads; 0: never.
         isa = self._gemm.gemm_fm_isa() if self._gemm else 0
         # The register transpose comes with the AVX-512 build, whoever's CPU (MKL plays no
