@@ -10,6 +10,7 @@ from engine.model.fused import (
     DecoderOps,
     PackedWeight,
     argmax_last_dim,
+    load_gemm,
     native_gemm_token_limit,
 )
 from engine.model.loader import load_state_dict, read_spec
@@ -200,6 +201,22 @@ def test_decoder_packs_its_gemm_weights_where_the_native_gemm_runs_every_step() 
     after = decoder.state_dict()
     assert after.keys() == before.keys()
     assert all(torch.equal(after[name], before[name]) for name in before)
+
+
+@pytest.mark.skipif(not NATIVE.packs_weights, reason="needs the AVX-512 build (its host)")
+@pytest.mark.parametrize(("n", "k", "t"), _GEMM_SHAPES[:8])
+def test_avx2_and_avx512_gemm_builds_give_the_same_numbers(n: int, k: int, t: int) -> None:
+    """The AVX2 build (compiled here with -mno-avx512f: what an AVX2-only host runs) keeps
+    building, gives the AVX-512 build's numbers bit for bit, and has no W16 kernels."""
+    avx2 = load_gemm(("-mno-avx512f",))
+    assert avx2 is not None and avx2.gemm_fm_isa() == 2
+    torch.manual_seed(n + k + t)
+    weight, x = torch.randn(n, k), torch.randn(k, t)
+    out = torch.empty(n, t)
+    assert avx2.gemm_fm(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, 0, 2) == 0
+    assert torch.equal(out, NATIVE.mm_fm(weight, x))
+    packed = PackedWeight(weight)
+    assert avx2.gemm_fm_w16(packed.data.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, 0, 2)
 
 
 def test_gemm_past_the_token_limit_and_empty_batches_take_torch() -> None:
