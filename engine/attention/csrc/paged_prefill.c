@@ -7,10 +7,11 @@
  * prompt (done = 0) and a chunk that resumes after a cached prefix.
  *
  * Flash-attention style: a task is one request, one kv head and a tile of query positions,
- * with the kv head's query heads (GQA) stacked as rows. It packs its queries (scaled) and
- * the keys it needs, transposed as [key block][D][KB], so that S = Q K^T runs a register
- * tile; then an online softmax per row over steps of 32 keys and O += P V with the same
- * tile shape. AVX2: the native GEMM's 6 x 16 tile (engine/csrc/tile_6x16.h), KB 16; torch's
+ * with the kv head's query heads (GQA) stacked as rows. Each chunk's keys are packed once
+ * per kv head, transposed as [key block][D][KB], before the tasks run; a task packs its
+ * queries (scaled), S = Q K^T runs a register tile over the packed keys, then an online
+ * softmax per row over steps of 32 keys and O += P V with the same tile shape (O rescaled
+ * to a row's new max as it is loaded for that product). AVX2: the native GEMM's 6 x 16 tile (engine/csrc/tile_6x16.h), KB 16; torch's
  * SDPA measured 45-65 GFLOP/s on these shapes on a 2-core AVX2 host, this kernel about 100.
  * AVX-512: an 8 x 32 tile (16 zmm accumulators), KB 32; 1.4-1.65x the AVX2 kernel on the
  * 2-core Zen 5 (257 vs 157 GFLOP/s on 512-token prompts). Both do the same operations in
@@ -112,23 +113,20 @@ typedef struct {
 
 /* The end of a softmax step, the same in both builds: alpha = exp(m_old - m_new) for the
  * tile's rows (m_old and m_new hold 8: MR <= 8), then each live row's sum l and max m
- * updated and its O rescaled to the new max. */
+ * updated. alpha (1 for padding rows) rescales O to the new max as accumulate_values loads
+ * it: one pass over O per step instead of two, and the same product as a separate pass. */
 static inline void rescale_rows(const tile_rows *tr, const float *m_old, const float *m_new,
                                 const float *sums, float *restrict m_run,
-                                float *restrict l_run, float *restrict *o_rows, int D)
+                                float *restrict l_run, float *restrict alpha)
 {
-    float alpha[8];
+    float a[8];
     /* 0 (about 1e-38) after NEG_BIG: the first step, when O is still zero. */
-    _mm256_storeu_ps(alpha, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(m_old),
-                                                          _mm256_loadu_ps(m_new))));
+    _mm256_storeu_ps(a, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(m_old),
+                                                      _mm256_loadu_ps(m_new))));
+    for (int r = 0; r < MR; ++r) alpha[r] = r < tr->live ? a[r] : 1.f;
     for (int r = 0; r < tr->live; ++r) {
-        l_run[r] = l_run[r] * alpha[r] + sums[r];
+        l_run[r] = l_run[r] * a[r] + sums[r];
         m_run[r] = m_new[r];
-        if (alpha[r] != 1.f) {
-            float *restrict o = o_rows[r];
-            const float a = alpha[r];
-            for (int d = 0; d < D; ++d) o[d] *= a;
-        }
     }
 }
 
@@ -188,7 +186,7 @@ static inline __mmask16 visible_512(int64_t pos, int64_t key0, int c)
  * AVX2 build's order, so l (and with it every output) is the same in both builds. */
 static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restrict s,
                                 float *restrict m_run, float *restrict l_run,
-                                float *restrict *o_rows, int D)
+                                float *restrict alpha)
 {
     const __m512 neg = _mm512_set1_ps(NEG_BIG);
     float m_old[8], m_new[8], sums[MR];
@@ -215,20 +213,22 @@ static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restri
         sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e1, 1));
         sums[r] = sum_lanes(sum);
     }
-    rescale_rows(tr, m_old, m_new, sums, m_run, l_run, o_rows, D);
+    rescale_rows(tr, m_old, m_new, sums, m_run, l_run, alpha);
 }
 
 /* O[r] += sum_j P[r][j] V[key0 + j] over the step's n keys, in j's order (as the AVX2
  * build), 32 columns at a time (16 for a last odd piece). */
-static inline void accumulate_values(float *restrict *o_rows, const float *restrict p,
-                                     const float *restrict *v_rows, int n, int D)
+static inline void accumulate_values(float *restrict *o_rows, const float *restrict alpha,
+                                     const float *restrict p, const float *restrict *v_rows,
+                                     int n, int D)
 {
     int c = 0;
     for (; c + 32 <= D; c += 32) {
         __m512 a0[MR], a1[MR];
         for (int r = 0; r < MR; ++r) {
-            a0[r] = _mm512_loadu_ps(o_rows[r] + c);
-            a1[r] = _mm512_loadu_ps(o_rows[r] + c + 16);
+            const __m512 s = _mm512_set1_ps(alpha[r]);
+            a0[r] = _mm512_mul_ps(_mm512_loadu_ps(o_rows[r] + c), s);
+            a1[r] = _mm512_mul_ps(_mm512_loadu_ps(o_rows[r] + c + 16), s);
         }
         for (int j = 0; j < n; ++j) {
             const __m512 v0 = _mm512_loadu_ps(v_rows[j] + c);
@@ -247,7 +247,8 @@ static inline void accumulate_values(float *restrict *o_rows, const float *restr
     }
     if (c < D) { /* D % 32 == 16 */
         __m512 a[MR];
-        for (int r = 0; r < MR; ++r) a[r] = _mm512_loadu_ps(o_rows[r] + c);
+        for (int r = 0; r < MR; ++r)
+            a[r] = _mm512_mul_ps(_mm512_loadu_ps(o_rows[r] + c), _mm512_set1_ps(alpha[r]));
         for (int j = 0; j < n; ++j) {
             const __m512 v = _mm512_loadu_ps(v_rows[j] + c);
             for (int r = 0; r < MR; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * KW + j]), v, a[r]);
@@ -279,7 +280,7 @@ static inline __m256 visible(int64_t pos, int64_t key0, int c)
  * (past `live`) compute too but write only to S (their P lands in a sink). */
 static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restrict s,
                                 float *restrict m_run, float *restrict l_run,
-                                float *restrict *o_rows, int D)
+                                float *restrict alpha)
 {
     const __m256 neg = _mm256_set1_ps(NEG_BIG);
     float m_old[8] = {NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG, NEG_BIG};
@@ -308,18 +309,20 @@ static inline void softmax_step(const tile_rows *tr, int64_t key0, float *restri
         }
         sums[r] = sum_lanes(sum);
     }
-    rescale_rows(tr, m_old, m_new, sums, m_run, l_run, o_rows, D);
+    rescale_rows(tr, m_old, m_new, sums, m_run, l_run, alpha);
 }
 
 /* O[r] += sum_j P[r][j] V[key0 + j] over the block's n keys, 16 columns at a time. */
-static inline void accumulate_values(float *restrict *o_rows, const float *restrict p,
-                                     const float *restrict *v_rows, int n, int D)
+static inline void accumulate_values(float *restrict *o_rows, const float *restrict alpha,
+                                     const float *restrict p, const float *restrict *v_rows,
+                                     int n, int D)
 {
     for (int c = 0; c < D; c += 16) {
         __m256 a[MR][2];
         for (int r = 0; r < MR; ++r) {
-            a[r][0] = _mm256_loadu_ps(o_rows[r] + c);
-            a[r][1] = _mm256_loadu_ps(o_rows[r] + c + 8);
+            const __m256 s = _mm256_set1_ps(alpha[r]);
+            a[r][0] = _mm256_mul_ps(_mm256_loadu_ps(o_rows[r] + c), s);
+            a[r][1] = _mm256_mul_ps(_mm256_loadu_ps(o_rows[r] + c + 8), s);
         }
         for (int j = 0; j < n; ++j) {
             const __m256 v0 = _mm256_loadu_ps(v_rows[j] + c);
@@ -346,21 +349,20 @@ static inline void step_scores(const float *restrict q, int D, const float *rest
 
 #endif
 
-static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
+/* `packed`: the chunk's keys of kv head g as pack_keys lays them out (at least the
+ * done + r1 this task sees; keys past a row's position are masked, whatever they are). */
+static void prefill_task(const float *q, int64_t q_stride, const float *packed,
                          const float *v_cache, const int64_t *bt, int64_t done, int64_t r0,
                          int64_t r1, int g, int G, int D, int block_size, int64_t token_stride,
                          float scale, float *out, int64_t out_stride, float *scratch)
 {
     const int rows = (int)(r1 - r0) * G;
     const int64_t L = done + r1; /* keys any row of the task sees */
-    const int64_t blocks = (L + KB - 1) / KB;
-    float *packed = scratch;             /* blocks * D * KB */
-    float *o = packed + blocks * D * KB; /* rows * D */
+    float *o = scratch;                  /* rows * D */
     float *m = o + (int64_t)rows * D, *l = m + rows;
     float *p = l + rows;                 /* MR * KW, then MR * D of sink */
     float *qs = p + MR * KW + MR * D;    /* (rows + MR) * D: scaled queries, zero padding */
     int64_t *pos = (int64_t *)(qs + (int64_t)(rows + MR) * D);
-    pack_keys(k_cache, bt, L, block_size, token_stride, g, D, packed);
     memset(o, 0, sizeof(float) * (size_t)rows * (size_t)D);
     memset(qs + (int64_t)rows * D, 0, sizeof(float) * MR * (size_t)D);
     for (int r = 0; r < rows; ++r) {
@@ -390,12 +392,13 @@ static void prefill_task(const float *q, int64_t q_stride, const float *k_cache,
             }
             /* S = (scale Q) K^T, one packed block of 16 keys at a time. */
             step_scores(qs + (int64_t)t0 * D, D, packed + key0 * D, n, p);
-            softmax_step(&tr, key0, p, m + t0, l + t0, o_rows, D);
+            float alpha[MR];
+            softmax_step(&tr, key0, p, m + t0, l + t0, alpha);
             if (live < MR) {
                 /* Padding rows repeat the last live row: give them a private sink. */
                 for (int r = live; r < MR; ++r) o_rows[r] = p + MR * KW + (r - live) * D;
             }
-            accumulate_values(o_rows, p, v_rows, n, D);
+            accumulate_values(o_rows, alpha, p, v_rows, n, D);
         }
     }
     for (int row = 0; row < rows; ++row) {
@@ -418,18 +421,35 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cac
     if (D % 16 != 0 || H % Hkv != 0) return -1;
     const int G = H / Hkv;
     const int64_t token_stride = (int64_t)Hkv * D;
-    int64_t tasks = 0, max_keys = 0;
+    int64_t tasks = 0;
+    /* Each chunk's keys are packed once per kv head, before any task reads them (a task
+     * used to pack all the keys it sees itself: every 64-position task of a request
+     * repacked the prefix, ~7% of the kernel on 512-token prompts). */
+    int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
+    if (packed_at == NULL) return -1;
+    packed_at[0] = 0;
     for (int c = 0; c < num_chunks; ++c) {
         tasks += Hkv * ((n[c] + rows_per_task - 1) / rows_per_task);
-        if (done[c] + n[c] > max_keys) max_keys = done[c] + n[c];
+        packed_at[c + 1] = packed_at[c] + Hkv * ((done[c] + n[c] + KB - 1) / KB) * D * KB;
     }
-    const int64_t scratch_floats = ((max_keys + KW - 1) / KW) * D * KW +
-                                   (int64_t)rows_per_task * G * (2 * D + 4) + MR * KW +
-                                   2 * MR * D;
+    /* 64-byte aligned: the packed keys are read with aligned vector loads. */
+    float *packed = aligned_alloc(64, ((size_t)packed_at[num_chunks] * sizeof(float) + 63) / 64 * 64);
+    if (packed == NULL) {
+        free(packed_at);
+        return -1;
+    }
+    const int64_t scratch_floats =
+        (int64_t)rows_per_task * G * (2 * D + 4) + MR * KW + 2 * MR * D;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        /* 64-byte aligned: the packed keys are read with aligned vector loads. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t ch = 0; ch < (int64_t)num_chunks * Hkv; ++ch) {
+            const int c = (int)(ch / Hkv), g = (int)(ch % Hkv);
+            const int64_t per_head = (packed_at[c + 1] - packed_at[c]) / Hkv;
+            pack_keys(k_cache, block_table + (int64_t)c * max_blocks, done[c] + n[c],
+                      block_size, token_stride, g, D, packed + packed_at[c] + g * per_head);
+        }
         float *scratch = aligned_alloc(64, ((size_t)scratch_floats * sizeof(float) + 63) / 64 * 64);
         if (scratch == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
@@ -446,13 +466,17 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cac
             const int g = (int)(t % Hkv);
             const int64_t r0 = (t / Hkv) * rows_per_task;
             const int64_t r1 = r0 + rows_per_task < n[c] ? r0 + rows_per_task : n[c];
-            prefill_task(q + q_start[c] * q_stride, q_stride, k_cache, v_cache,
+            const int64_t per_head = (packed_at[c + 1] - packed_at[c]) / Hkv;
+            prefill_task(q + q_start[c] * q_stride, q_stride,
+                         packed + packed_at[c] + g * per_head, v_cache,
                          block_table + (int64_t)c * max_blocks, done[c], r0, r1, g, G, D,
                          block_size, token_stride, scale, out + q_start[c] * (int64_t)H * D,
                          (int64_t)H * D, scratch);
         }
         free(scratch);
     }
+    free(packed);
+    free(packed_at);
     return failed ? -1 : 0;
 }
 
