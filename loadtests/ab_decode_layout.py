@@ -10,8 +10,9 @@ build with prefill attention through torch's SDPA), `torch_transpose` (the defau
 torch's copies between the token-major and feature-major layouts), `avx2_prefill` (the
 default build with the AVX2 prefill attention kernel, on an AVX-512 host),
 `row_major_weights` (the default build with the GEMM weights row-major instead of the W16
-layout), `row_grains` (the GEMM's threads split W's rows only, not X's chunks), `token_major`
-(no feature-major steps).
+layout), `row_grains` (the GEMM's threads split W's rows only, not X's chunks),
+`padded_panels` (no narrower tail panel: a batch's last 1-16 columns past a multiple of 32
+padded to a wide panel), `token_major` (no feature-major steps).
 The default pair is feature_major,token_major. Two engines (one per variant) run the same
 requests with the same schedule and take turns, one step each, so both see the same state
 of this noisy, shared machine. Prints the time
@@ -61,6 +62,7 @@ VARIANTS = {
     "avx2_prefill": Variant(prefill_flags=("-mno-avx512f",)),
     "row_major_weights": Variant(packed_weights=False),
     "row_grains": Variant(gemm_flags=("-DGRAINS_2D=0",)),
+    "padded_panels": Variant(gemm_flags=("-DTAIL_PANELS=0",)),
     "token_major": Variant(0, 0, packed_weights=False),
 }
 

@@ -34,6 +34,10 @@
 #define GRAINS_PER_THREAD_LARGE 16
 #endif
 #define GRAINS_PER_THREAD_SMALL 4
+/* 0: no narrower tail panel, the last wide panel padded (the build before them, for A/B). */
+#ifndef TAIL_PANELS
+#define TAIL_PANELS 1
+#endif
 /* 0: grains split W's rows only (the build before 2-D grains, for A/B runs). */
 #ifndef GRAINS_2D
 #define GRAINS_2D 1
@@ -289,6 +293,21 @@ static struct gemm_variant pick_variant(int64_t B, int w16)
                                      : GEMV_W16[B <= 1 ? 0 : B <= 2 ? 1 : B <= 4 ? 2 : 3];
     return B > 16 ? WIDE : B > GEMV_MAX_TOKENS ? NARROW : GEMV;
 }
+
+/* The columns past the last full wide panel, r = B % 32 of them, go to a narrower tail
+ * panel when r <= 16 (the GEMV's for r <= 8, packed as wide as r rounded up to a power of
+ * two, or the narrow tile's): a wide panel costs what 32 columns cost, so 65 tokens took as
+ * long as 96 (README). 0: the wide panels take every column. */
+static int pick_tail(int64_t B, int w16, struct gemm_variant *tail)
+{
+    const int64_t r = B % 32;
+    if (!TAIL_PANELS || B < 32 || r == 0 || r > 16) return 0;
+    *tail = pick_variant(r, w16);
+    return 1;
+}
+
+/* Rows per row block of the grains: a multiple of every variant's mr. */
+#define SUPER_ROWS 16
 #define HAVE_W16 1
 
 /* dst [C, R] = src [R, C] transposed, 16 x 16 pieces through registers: every load and store
@@ -355,6 +374,14 @@ static struct gemm_variant pick_variant(int64_t B, int w16)
     return v;
 }
 
+static int pick_tail(int64_t B, int w16, struct gemm_variant *tail)
+{
+    (void)B, (void)w16, (void)tail; /* one variant: 16-column panels, little to pad */
+    return 0;
+}
+
+#define SUPER_ROWS MR
+
 int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_threads)
 {
     (void)src, (void)R, (void)C, (void)dst, (void)num_threads;
@@ -365,10 +392,11 @@ int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_thr
 int gemm_fm_isa(void) { return GEMM_ISA; }
 
 /* Panels of nr columns, [ceil(B / nr)][K][nr], zero beyond column B. x is X itself
- * ([K, B], feature-major) or, with x_transposed, X's transpose ([B, K], token-major): the
- * packing copy transposes it for free instead of a separate copy before the call. */
-static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_transposed,
-                   float *packed, int num_threads)
+ * (feature-major: column j of row k at x[k * ldx + j]) or, with x_transposed, X's transpose
+ * (token-major: x[j * K + k]): the packing copy transposes it for free instead of a separate
+ * copy before the call. */
+static void pack_x(const float *x, int64_t ldx, int64_t K, int64_t B, int64_t nr,
+                   int x_transposed, float *packed, int num_threads)
 {
     const int64_t panels = (B + nr - 1) / nr;
     if (x_transposed) {
@@ -389,7 +417,7 @@ static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_trans
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (K * B > 32768)
     for (int64_t k = 0; k < K; ++k) {
-        const float *src = x + k * B;
+        const float *src = x + k * ldx;
         for (int64_t p = 0; p < panels; ++p) {
             float *dst = packed + (p * K + k) * nr;
             const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
@@ -399,8 +427,6 @@ static void pack_x(const float *x, int64_t K, int64_t B, int64_t nr, int x_trans
     }
 }
 
-/* Rows of W's blocks b0 .. b1-1 (mr rows each) against every packed panel: X in chunks of
- * panels and slices of k sized to stay in L2 while the weight rows stream past. */
 /* Where row `row`'s values from k0 on start: row-major W, or W16 (rows in blocks of 16,
  * each block [K][16]). */
 static inline const float *w_row(const float *w, int w16, int64_t K, int64_t row, int64_t k0)
@@ -408,31 +434,58 @@ static inline const float *w_row(const float *w, int w16, int64_t K, int64_t row
     return w16 ? w + (row / 16) * K * 16 + k0 * 16 + row % 16 : w + row * K + k0;
 }
 
-static void run_grain(const struct gemm_variant *v, const float *w, int w16,
+/* How a call splits X's columns: `panels` panels of main.nr columns (the last one partial
+ * when there is no tail), then, when tail_cols > 0, one tail panel of tail.nr columns
+ * holding the last tail_cols (panel index `panels`). */
+struct gemm_plan {
+    struct gemm_variant main, tail;
+    int64_t panels, tail_cols;
+};
+
+/* Rows i .. i + v->mr - 1 (fewer at W's end) of one panel slice: out[., j0 ..]. */
+static inline void run_tile(const struct gemm_variant *v, const float *w, int w16, int64_t N,
+                            int64_t K, int64_t B, int64_t i, int64_t k0, int64_t kc,
+                            const float *xp, float *out, int64_t j0, int64_t n, int add)
+{
+    if (i + v->mr <= N) {
+        v->full(w_row(w, w16, K, i, k0), K, kc, xp, out + i * B + j0, B, n, add);
+    } else {
+        for (int64_t r = i; r < N; ++r)
+            v->row(w_row(w, w16, K, r, k0), K, kc, xp, out + r * B + j0, B, n, add);
+    }
+}
+
+/* W's rows in super-blocks s0 .. s1-1 (SUPER_ROWS rows each) against panels pa .. pb-1: X
+ * in chunks of panels and slices of k sized to stay in L2 while the weight rows stream
+ * past; a super-block's rows run the tail panel right after the chunk's main panels. */
+static void run_grain(const struct gemm_plan *plan, const float *w, int w16,
                       const float *packed, float *out, int64_t N, int64_t K, int64_t B,
-                      int64_t chunk, int64_t kc_max, int64_t b0, int64_t b1, int64_t pa,
+                      int64_t chunk, int64_t kc_max, int64_t s0, int64_t s1, int64_t pa,
                       int64_t pb)
 {
-    const int64_t mr = v->mr, nr = v->nr;
+    const struct gemm_variant *v = &plan->main, *t = &plan->tail;
+    const int64_t nr = v->nr, panels = plan->panels;
+    const float *tail_x = packed + panels * K * nr;
     for (int64_t p0 = pa; p0 < pb; p0 += chunk) {
         const int64_t p1 = p0 + chunk < pb ? p0 + chunk : pb;
+        const int with_tail = p1 > panels;
+        const int64_t q1 = with_tail ? panels : p1;
         for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
             const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
             const int add = k0 > 0;
-            for (int64_t blk = b0; blk < b1; ++blk) {
-                const int64_t i = blk * mr;
-                for (int64_t p = p0; p < p1; ++p) {
-                    const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
-                    const float *xp = packed + (p * K + k0) * nr;
-                    if (i + mr <= N) {
-                        v->full(w_row(w, w16, K, i, k0), K, kc, xp, out + i * B + j0, B, n,
-                                add);
-                    } else {
-                        for (int64_t r = i; r < N; ++r)
-                            v->row(w_row(w, w16, K, r, k0), K, kc, xp, out + r * B + j0, B,
-                                   n, add);
+            for (int64_t sb = s0; sb < s1; ++sb) {
+                const int64_t top = sb * SUPER_ROWS;
+                const int64_t bottom = top + SUPER_ROWS < N ? top + SUPER_ROWS : N;
+                for (int64_t i = top; i < bottom; i += v->mr)
+                    for (int64_t p = p0; p < q1; ++p) {
+                        const int64_t j0 = p * nr, n = B - j0 < nr ? B - j0 : nr;
+                        run_tile(v, w, w16, N, K, B, i, k0, kc, packed + (p * K + k0) * nr,
+                                 out, j0, n, add);
                     }
-                }
+                if (with_tail)
+                    for (int64_t i = top; i < bottom; i += t->mr)
+                        run_tile(t, w, w16, N, K, B, i, k0, kc, tail_x + k0 * t->nr, out,
+                                 panels * nr, plan->tail_cols, add);
             }
         }
     }
@@ -442,21 +495,33 @@ static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t
                     int64_t B, int x_transposed, int num_threads)
 {
     if (N <= 0 || K <= 0 || B <= 0) return -1;
-    const struct gemm_variant v = pick_variant(B, w16);
-    const int64_t mr = v.mr, nr = v.nr, panels = (B + nr - 1) / nr;
+    struct gemm_plan plan = {pick_variant(B, w16), pick_variant(B, w16), 0, 0};
+    const int64_t nr = plan.main.nr;
+    if (pick_tail(B, w16, &plan.tail)) plan.tail_cols = B % nr;
+    const int64_t main_cols = B - plan.tail_cols;
+    plan.panels = (main_cols + nr - 1) / nr;
+    const int64_t all_panels = plan.panels + (plan.tail_cols > 0);
+    const int64_t packed_floats = plan.panels * K * nr + (plan.tail_cols ? K * plan.tail.nr : 0);
     /* One panel exactly as wide as X is X itself (or, for one column, its transpose), if
      * aligned as the tiles' panel loads need. */
-    const int as_is = panels == 1 && nr == B && (!x_transposed || B == 1) &&
+    const int as_is = all_panels == 1 && nr == B && (!x_transposed || B == 1) &&
                       ((uintptr_t)x & 63) == 0;
-    float *packed = as_is ? (float *)x : aligned_alloc(64, (size_t)(panels * K * nr) * sizeof(float));
+    float *packed =
+        as_is ? (float *)x : aligned_alloc(64, (size_t)packed_floats * sizeof(float));
     if (packed == NULL) return -1;
-    if (!as_is) pack_x(x, K, B, nr, x_transposed, packed, num_threads);
+    if (!as_is) {
+        pack_x(x, B, K, main_cols, nr, x_transposed, packed, num_threads);
+        if (plan.tail_cols)
+            pack_x(x_transposed ? x + main_cols * K : x + main_cols, B, K, plan.tail_cols,
+                   plan.tail.nr, x_transposed, packed + plan.panels * K * nr, num_threads);
+    }
     /* A chunk of panels and a slice of k: X's part of the work that stays in L2. */
     const int64_t max_chunk = MAX_CHUNK_COLUMNS / nr;
-    const int64_t chunk = panels < max_chunk ? panels : max_chunk;
+    const int64_t chunk = all_panels < max_chunk ? all_panels : max_chunk;
     int64_t kc_max = X_SLICE_BYTES / (chunk * nr * (int64_t)sizeof(float));
     kc_max = kc_max < 64 ? 64 : kc_max;
-    const int64_t blocks = (N + mr - 1) / mr, chunks = (panels + chunk - 1) / chunk;
+    const int64_t blocks = (N + SUPER_ROWS - 1) / SUPER_ROWS;
+    const int64_t chunks = (all_panels + chunk - 1) / chunk;
     int64_t next_grain = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -482,8 +547,9 @@ static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t
             const int64_t r = g % row_parts, c = g / row_parts;
             const int64_t pa = chunk * (chunks * c / col_parts);
             const int64_t pb = chunk * (chunks * (c + 1) / col_parts);
-            run_grain(&v, w, w16, packed, out, N, K, B, chunk, kc_max, blocks * r / row_parts,
-                      blocks * (r + 1) / row_parts, pa, pb < panels ? pb : panels);
+            run_grain(&plan, w, w16, packed, out, N, K, B, chunk, kc_max,
+                      blocks * r / row_parts, blocks * (r + 1) / row_parts, pa,
+                      pb < all_panels ? pb : all_panels);
         }
     }
     if (!as_is) free(packed);
