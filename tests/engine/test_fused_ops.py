@@ -151,9 +151,20 @@ def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> N
     weight, x = torch.randn(1280, 768), torch.randn(768, 300)
     ops = NATIVE
     whole = ops.mm_fm(weight, x)
-    # Widths past a multiple of 32 by 1-8 and 9-16 take a narrower tail panel (the GEMV's,
-    # the narrow tile's), by 17-31 a padded wide one; both weight layouts.
-    slices = ((0, 1), (3, 20), (17, 150), (150, 300), (0, 33), (7, 47), (1, 49), (0, 97))
+    # Widths past a multiple of 32 by 1-8 take a GEMV tail panel, by 9-16 a narrow one, by
+    # 17-24 both, by 25-31 a padded wide one (17-31 tokens alone too); both weight layouts.
+    slices = (
+        (0, 1),
+        (3, 20),
+        (17, 150),
+        (150, 300),
+        (0, 33),
+        (7, 47),
+        (1, 49),
+        (0, 54),
+        (0, 97),
+        (2, 30),
+    )
     for w in (weight, PackedWeight(weight)):
         for lo, hi in slices:
             assert torch.equal(ops.mm_fm(w, x[:, lo:hi]), whole[:, lo:hi]), (lo, hi)

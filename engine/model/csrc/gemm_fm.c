@@ -294,15 +294,21 @@ static struct gemm_variant pick_variant(int64_t B, int w16)
     return B > 16 ? WIDE : B > GEMV_MAX_TOKENS ? NARROW : GEMV;
 }
 
-/* The columns past the last full wide panel, r = B % 32 of them, go to a narrower tail
- * panel when r <= 16 (the GEMV's for r <= 8, packed as wide as r rounded up to a power of
- * two, or the narrow tile's): a wide panel costs what 32 columns cost, so 65 tokens took as
- * long as 96 (README). 0: the wide panels take every column. */
-static int pick_tail(int64_t B, int w16, struct gemm_variant *tail)
+/* The columns past the last full wide panel, r = B % 32 of them (all B from 17 to 31), go
+ * to narrower tail panels when r <= 24: the GEMV's for r <= 8 (packed as wide as r rounded
+ * up to a power of two), the narrow tile's for 9-16, both for 17-24 (16 + the rest); a wide
+ * panel costs what 32 columns cost, so 65 tokens took as long as 96 (README). Writes the
+ * tails' variants and widths; returns how many (0: the wide panels take every column). */
+static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t cols[2])
 {
     const int64_t r = B % 32;
-    if (!TAIL_PANELS || B < 32 || r == 0 || r > 16) return 0;
-    *tail = pick_variant(r, w16);
+    if (!TAIL_PANELS || B <= 16 || r == 0 || r > 24) return 0;
+    if (r > 16) {
+        tail[0] = pick_variant(16, w16), cols[0] = 16;
+        tail[1] = pick_variant(r - 16, w16), cols[1] = r - 16;
+        return 2;
+    }
+    tail[0] = pick_variant(r, w16), cols[0] = r;
     return 1;
 }
 
@@ -374,9 +380,9 @@ static struct gemm_variant pick_variant(int64_t B, int w16)
     return v;
 }
 
-static int pick_tail(int64_t B, int w16, struct gemm_variant *tail)
+static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t cols[2])
 {
-    (void)B, (void)w16, (void)tail; /* one variant: 16-column panels, little to pad */
+    (void)B, (void)w16, (void)tail, (void)cols; /* one variant: 16-column panels */
     return 0;
 }
 
@@ -435,11 +441,13 @@ static inline const float *w_row(const float *w, int w16, int64_t K, int64_t row
 }
 
 /* How a call splits X's columns: `panels` panels of main.nr columns (the last one partial
- * when there is no tail), then, when tail_cols > 0, one tail panel of tail.nr columns
- * holding the last tail_cols (panel index `panels`). */
+ * when there are no tails), then `tails` tail panels (panel indices panels, panels + 1):
+ * tail t holds tail_cols[t] columns from tail_col[t] on, packed tail[t].nr wide at
+ * tail_x[t] floats into the packing buffer. */
 struct gemm_plan {
-    struct gemm_variant main, tail;
-    int64_t panels, tail_cols;
+    struct gemm_variant main, tail[2];
+    int64_t panels, tail_col[2], tail_cols[2], tail_x[2];
+    int tails;
 };
 
 /* Rows i .. i + v->mr - 1 (fewer at W's end) of one panel slice: out[., j0 ..]. */
@@ -463,13 +471,11 @@ static void run_grain(const struct gemm_plan *plan, const float *w, int w16,
                       int64_t chunk, int64_t kc_max, int64_t s0, int64_t s1, int64_t pa,
                       int64_t pb)
 {
-    const struct gemm_variant *v = &plan->main, *t = &plan->tail;
+    const struct gemm_variant *v = &plan->main;
     const int64_t nr = v->nr, panels = plan->panels;
-    const float *tail_x = packed + panels * K * nr;
     for (int64_t p0 = pa; p0 < pb; p0 += chunk) {
         const int64_t p1 = p0 + chunk < pb ? p0 + chunk : pb;
-        const int with_tail = p1 > panels;
-        const int64_t q1 = with_tail ? panels : p1;
+        const int64_t q1 = p1 < panels ? p1 : panels;
         for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
             const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max;
             const int add = k0 > 0;
@@ -482,10 +488,13 @@ static void run_grain(const struct gemm_plan *plan, const float *w, int w16,
                         run_tile(v, w, w16, N, K, B, i, k0, kc, packed + (p * K + k0) * nr,
                                  out, j0, n, add);
                     }
-                if (with_tail)
+                for (int64_t p = q1 > p0 ? q1 : p0; p < p1; ++p) {
+                    const struct gemm_variant *t = &plan->tail[p - panels];
+                    const float *xp = packed + plan->tail_x[p - panels] + k0 * t->nr;
                     for (int64_t i = top; i < bottom; i += t->mr)
-                        run_tile(t, w, w16, N, K, B, i, k0, kc, tail_x + k0 * t->nr, out,
-                                 panels * nr, plan->tail_cols, add);
+                        run_tile(t, w, w16, N, K, B, i, k0, kc, xp, out,
+                                 plan->tail_col[p - panels], plan->tail_cols[p - panels], add);
+                }
             }
         }
     }
@@ -495,13 +504,18 @@ static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t
                     int64_t B, int x_transposed, int num_threads)
 {
     if (N <= 0 || K <= 0 || B <= 0) return -1;
-    struct gemm_plan plan = {pick_variant(B, w16), pick_variant(B, w16), 0, 0};
+    struct gemm_plan plan = {.main = pick_variant(B, w16)};
     const int64_t nr = plan.main.nr;
-    if (pick_tail(B, w16, &plan.tail)) plan.tail_cols = B % nr;
-    const int64_t main_cols = B - plan.tail_cols;
+    plan.tails = pick_tails(B, w16, plan.tail, plan.tail_cols);
+    int64_t main_cols = B;
+    for (int t = 0; t < plan.tails; ++t) main_cols -= plan.tail_cols[t];
     plan.panels = (main_cols + nr - 1) / nr;
-    const int64_t all_panels = plan.panels + (plan.tail_cols > 0);
-    const int64_t packed_floats = plan.panels * K * nr + (plan.tail_cols ? K * plan.tail.nr : 0);
+    const int64_t all_panels = plan.panels + plan.tails;
+    int64_t packed_floats = plan.panels * K * nr, col = main_cols;
+    for (int t = 0; t < plan.tails; ++t) {
+        plan.tail_col[t] = col, plan.tail_x[t] = packed_floats;
+        col += plan.tail_cols[t], packed_floats += K * plan.tail[t].nr;
+    }
     /* One panel exactly as wide as X is X itself (or, for one column, its transpose), if
      * aligned as the tiles' panel loads need. */
     const int as_is = all_panels == 1 && nr == B && (!x_transposed || B == 1) &&
@@ -511,9 +525,11 @@ static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t
     if (packed == NULL) return -1;
     if (!as_is) {
         pack_x(x, B, K, main_cols, nr, x_transposed, packed, num_threads);
-        if (plan.tail_cols)
-            pack_x(x_transposed ? x + main_cols * K : x + main_cols, B, K, plan.tail_cols,
-                   plan.tail.nr, x_transposed, packed + plan.panels * K * nr, num_threads);
+        for (int t = 0; t < plan.tails; ++t) {
+            const int64_t j0 = plan.tail_col[t];
+            pack_x(x_transposed ? x + j0 * K : x + j0, B, K, plan.tail_cols[t], plan.tail[t].nr,
+                   x_transposed, packed + plan.tail_x[t], num_threads);
+        }
     }
     /* A chunk of panels and a slice of k: X's part of the work that stays in L2. */
     const int64_t max_chunk = MAX_CHUNK_COLUMNS / nr;
