@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.model.fused import DecoderOps
+from engine.model.fused import DecoderOps, PackedWeight
 from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
 
@@ -45,10 +45,10 @@ class PackedLinear(nn.Module):
     native GEMM reads (see `Decoder.pack_weights`). `forward`, the token-major path, which
     the hosts that pack never take, unpacks the weight on every call."""
 
-    def __init__(self, linear: nn.Linear, ops: DecoderOps) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = ops.pack(linear.weight)
+        self.weight = PackedWeight(linear.weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +259,7 @@ class Decoder(nn.Module):
         for name in self._gemm_weight_names():
             module = self.get_submodule(name)
             if isinstance(module, nn.Linear):
-                self.set_submodule(name, PackedLinear(module, self.ops))
+                self.set_submodule(name, PackedLinear(module))
 
     def unpack_weights(self) -> None:
         """Undo `pack_weights` (A/B runs of the row-major layout)."""

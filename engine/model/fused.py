@@ -102,6 +102,10 @@ class PackedWeight:
         return self.data.transpose(1, 2).reshape(-1, k)[:n].clone()
 
 
+def _row_major(weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    return weight.unpacked() if isinstance(weight, PackedWeight) else weight
+
+
 class DecoderOps:
     """`native=False` (or no compiler) always takes the torch path."""
 
@@ -120,9 +124,6 @@ class DecoderOps:
         # needs the row-major copy (the AVX2 build leaves large steps to MKL).
         self.packs_weights = self._gemm is not None and isa == 512
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
-        return PackedWeight(weight)
-
     def mm_fm(self, weight: torch.Tensor | PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """`weight @ x` for feature-major x ([in_features, T]) -> [out_features, T]; only
         where `applies(x)`."""
@@ -135,7 +136,7 @@ class DecoderOps:
             or n * k == 0
             or not (packed or weight.is_contiguous())
         ):
-            return torch.mm(weight.unpacked() if packed else weight, x)
+            return torch.mm(_row_major(weight), x)
         # A transposed token-major x (attention's output) is read as is: packing transposes.
         transposed = not x.is_contiguous() and x.t().is_contiguous()
         if not transposed:
@@ -146,7 +147,7 @@ class DecoderOps:
         w = weight.data if packed else weight
         if gemm(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, t, int(transposed), threads):
             # The kernel could not allocate its packing buffer (or has no W16 build).
-            return torch.mm(weight.unpacked() if packed else weight, x)
+            return torch.mm(_row_major(weight), x)
         return out
 
     def transposed(self, x: torch.Tensor) -> torch.Tensor:

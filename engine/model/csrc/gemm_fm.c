@@ -171,6 +171,36 @@ static inline void transpose_16x16(__m512 r[16])
     }
 }
 
+/* The GEMVs keep a 16-row block's outputs column by column, lane i = row i (out's rows
+ * ldo floats apart): acc[j] <- column j (add) or zeros, and back for the n real columns. */
+static inline __attribute__((always_inline)) __m512i row_offsets(int64_t ldo)
+{
+    return _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)ldo));
+}
+
+static inline __attribute__((always_inline)) void load_columns(__m512 *acc, int nt, int64_t n,
+                                                                int add, const float *out,
+                                                                int64_t ldo)
+{
+    const __m512i rows = row_offsets(ldo);
+    for (int j = 0; j < nt; ++j)
+        acc[j] = add && j < n ? _mm512_i32gather_ps(rows, out + j, 4) : _mm512_setzero_ps();
+}
+
+static inline __attribute__((always_inline)) void store_columns(const __m512 *acc, int nt,
+                                                                 int64_t n, float *out,
+                                                                 int64_t ldo)
+{
+    if (ldo == 1) { /* one column: the 16 outputs are contiguous */
+        _mm512_storeu_ps(out, acc[0]);
+        return;
+    }
+    const __m512i rows = row_offsets(ldo);
+    for (int j = 0; j < nt && j < n; ++j) _mm512_i32scatter_ps(out + j, rows, acc[j], 4);
+}
+
 /* A 16-row block of W against at most NT (<= 8) columns: W's 16 x 16 pieces are transposed
  * in registers so that one FMA serves 16 rows of one column, where the 16 x 16 tile's FMA
  * serves one row of 16 mostly padded columns. Each output is still one FMA per k in k's
@@ -181,12 +211,8 @@ static inline void transpose_16x16(__m512 r[16])
                      const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
                      int add)                                                                  \
     {                                                                                          \
-        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, \
-                                                                 7, 6, 5, 4, 3, 2, 1, 0),      \
-                                                _mm512_set1_epi32((int)ldo));                  \
         __m512 acc[NT];                                                                        \
-        for (int j = 0; j < NT; ++j)                                                           \
-            acc[j] = add && j < n ? _mm512_i32gather_ps(rows, out + j, 4) : _mm512_setzero_ps(); \
+        load_columns(acc, NT, n, add, out, ldo);                                               \
         for (int64_t k = 0; k < kc; k += 16) {                                                 \
             const int64_t kr = kc - k < 16 ? kc - k : 16;                                      \
             const __mmask16 m = lane_mask(kr);                                                 \
@@ -208,7 +234,7 @@ static inline void transpose_16x16(__m512 r[16])
                                                  acc[j]);                                      \
             }                                                                                  \
         }                                                                                      \
-        for (int j = 0; j < NT && j < n; ++j) _mm512_i32scatter_ps(out + j, rows, acc[j], 4);  \
+        store_columns(acc, NT, n, out, ldo);                                                   \
     }
 
 DEFINE_GEMV(gemv_16x1, 1)
@@ -236,12 +262,8 @@ static void gemv_16(const float *restrict w, int64_t ldw, int64_t kc, const floa
                      int add)                                                                  \
     {                                                                                          \
         (void)ldw;                                                                             \
-        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, \
-                                                                 7, 6, 5, 4, 3, 2, 1, 0),      \
-                                                _mm512_set1_epi32((int)ldo));                  \
         __m512 acc[NT];                                                                        \
-        for (int j = 0; j < NT; ++j)                                                           \
-            acc[j] = add && j < n ? _mm512_i32gather_ps(rows, out + j, 4) : _mm512_setzero_ps(); \
+        load_columns(acc, NT, n, add, out, ldo);                                               \
         _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; ++k)                              \
         {                                                                                      \
             if (GEMV_W16_PF && NT >= GEMV_W16_PF_FROM && (k & 3) == 0)                         \
@@ -251,11 +273,7 @@ static void gemv_16(const float *restrict w, int64_t ldw, int64_t kc, const floa
             _Pragma("GCC unroll 8") for (int j = 0; j < NT; ++j)                              \
                 acc[j] = _mm512_fmadd_ps(a, _mm512_set1_ps(xp[k * NT + j]), acc[j]);           \
         }                                                                                      \
-        if (ldo == 1) /* one column: the 16 outputs are contiguous */                          \
-            _mm512_storeu_ps(out, acc[0]);                                                     \
-        else                                                                                   \
-            for (int j = 0; j < NT && j < n; ++j)                                              \
-                _mm512_i32scatter_ps(out + j, rows, acc[j], 4);                                \
+        store_columns(acc, NT, n, out, ldo);                                                   \
     }                                                                                          \
     static void NAME##_row(const float *restrict w, int64_t ldw, int64_t kc,                   \
                            const float *restrict xp, float *restrict out, int64_t ldo,         \
@@ -465,7 +483,7 @@ static inline void run_tile(const struct gemm_variant *v, const float *w, int w1
 
 /* W's rows in super-blocks s0 .. s1-1 (SUPER_ROWS rows each) against panels pa .. pb-1: X
  * in chunks of panels and slices of k sized to stay in L2 while the weight rows stream
- * past; a super-block's rows run the tail panel right after the chunk's main panels. */
+ * past; a super-block's rows run the tail panels right after the chunk's main panels. */
 static void run_grain(const struct gemm_plan *plan, const float *w, int w16,
                       const float *packed, float *out, int64_t N, int64_t K, int64_t B,
                       int64_t chunk, int64_t kc_max, int64_t s0, int64_t s1, int64_t pa,
