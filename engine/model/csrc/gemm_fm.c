@@ -89,8 +89,9 @@ static inline __mmask16 lane_mask(int64_t n)
 #define W_AT(W16, w, ldw, r, k) ((W16) ? (w)[(k) * 16 + (r)] : (w)[(r) * (ldw) + (k)])
 
 /* Rows 0..R-1 of w over kc values of k against one packed panel slice of V * 16 columns; n
- * valid columns; add: accumulate onto out (a later slice of k). Row-major weights are
- * prefetched PF floats ahead in each row; W16 ones are one stream the hardware follows. */
+ * valid columns; add: accumulate onto out (a later slice of k). PF: row-major weights are
+ * prefetched PF floats ahead in each row (0: not); W16 weights, one stream, W16_PF cache
+ * lines ahead when PF is nonzero (measured at 32 tokens: 16 lines 0.68x, 128 1.04x). */
 #define DEFINE_TILE(NAME, R, V, PF, W16)                                                       \
     static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
                      const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
