@@ -132,7 +132,9 @@ class ClusterSimulator:
         rule = QueueDepthRule(c.autoscale) if c.autoscale is not None else None
         r = c.replica
         control = (
-            ClusterControl(lambda: make_policy(r.policy, r.max_num_seqs, r.memory_aware, r.sla))
+            ClusterControl(
+                lambda: make_policy(r.policy, r.scheduler.max_num_seqs, r.memory_aware, r.sla)
+            )
             if controlled
             else None
         )

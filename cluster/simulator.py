@@ -12,13 +12,14 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_policy
 from cluster.metrics import percentile
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
-from engine.core.config import SchedulerConfig, SchedulingPolicy
+from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.policy import BatchingPolicy, ExternalLimits
@@ -50,26 +51,35 @@ class Slo:
     itl_s: float = 0.1
 
 
+# Simulated prompts carry no real tokens (all zeros would all "hit" a prefix cache), and a
+# simulated GPU's KV cache is sized from its memory, not from a CPU byte budget.
+SIM_CACHE = CacheConfig(kv_cache_bytes=None, enable_prefix_caching=False)
+# The simulated models' context (Llama-2 and later: 4096 tokens or more).
+SIM_SCHEDULER = SchedulerConfig(max_model_len=4096)
+
+
 @dataclass(frozen=True)
 class SimConfig:
     model: ModelSpec
     gpu: GpuSpec
     policy: PolicyName = "static"
-    max_num_seqs: int = 256  # static value, and the start value of dynamic policies
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    block_size: int = 16
-    memory_utilization: float = 0.9
-    num_blocks: int | None = None  # overrides the memory-derived block count
-    # Off by default: simulated prompts carry no real tokens (all zeros would all "hit").
-    enable_prefix_caching: bool = False
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    aging_s: float = 30.0
+    # The engine's knobs, as the engine defines them. scheduler.max_num_seqs is the static
+    # value and the start value of dynamic policies; the cache is sized from the simulated
+    # GPU's memory (gpu_memory_fraction) unless num_blocks says otherwise.
+    scheduler: SchedulerConfig = SIM_SCHEDULER
+    cache: CacheConfig = SIM_CACHE
     cost: CostParams = field(default_factory=CostParams)
     memory_aware: MemoryAwareConfig = field(default_factory=MemoryAwareConfig)
     sla: SlaConfig = field(default_factory=SlaConfig)
     slo: Slo = field(default_factory=Slo)
     kv_sample_every: int = 50  # steps between KV-usage samples in the time series
+
+    def with_scheduler(self, **changes: Any) -> SimConfig:
+        """A copy with some scheduler knobs changed (a sweep over max_num_seqs, ...)."""
+        return replace(self, scheduler=replace(self.scheduler, **changes))
+
+    def with_cache(self, **changes: Any) -> SimConfig:
+        return replace(self, cache=replace(self.cache, **changes))
 
 
 @dataclass
@@ -168,25 +178,21 @@ class SimReplica:
             c.gpu,
             self.clock,
             c.cost,
-            num_blocks=c.num_blocks,
-            block_size=c.block_size,
-            max_model_len=c.max_model_len,
-            memory_utilization=c.memory_utilization,
+            num_blocks=c.cache.num_blocks,
+            block_size=c.cache.block_size,
+            max_model_len=c.scheduler.max_model_len,
+            memory_utilization=c.cache.gpu_memory_fraction,
         )
-        kv = KVCacheManager(self.runner.num_kv_blocks(), c.block_size, c.enable_prefix_caching)
-        sched_config = SchedulerConfig(
-            max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=c.max_model_len,
-            scheduling_policy=c.scheduling_policy,
-            aging_s=c.aging_s,
+        kv = KVCacheManager(
+            self.runner.num_kv_blocks(), c.cache.block_size, c.cache.enable_prefix_caching
         )
+        sched_config = c.scheduler
         self.scheduler = Scheduler(sched_config, kv, self.clock)
         # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
         policy: BatchingPolicy | None = (
             None
             if c.policy == "static"
-            else make_policy(c.policy, c.max_num_seqs, c.memory_aware, c.sla)
+            else make_policy(c.policy, c.scheduler.max_num_seqs, c.memory_aware, c.sla)
         )
         self.external: ExternalLimits | None = None
         if controlled:

@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.core.config import EngineConfig
 from engine.core.outputs import RequestOutput, merge_queued
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -37,10 +36,6 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         # Wall time inside engine.step(): against elapsed time it says how busy the engine is.
         self.step_seconds_total = 0.0
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:
-        return cls(LLMEngine(config, **kwargs))
 
     async def generate(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.outputs import ScheduledRequest
-from engine.model.fused import argmax_last_dim
+from engine.cpu.decoder_ops import argmax_last_dim
 
 
 class Sampler:

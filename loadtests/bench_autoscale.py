@@ -53,7 +53,9 @@ def run_autoscale(
     quick: bool = False,
 ) -> dict[str, Any]:
     """`quick`: a coarser capacity search (smoke runs)."""
-    replica = SimConfig(MODELS[model], GPUS[gpu], max_num_seqs=128, slo=Slo(2.0, 0.1))
+    replica = SimConfig(MODELS[model], GPUS[gpu], slo=Slo(2.0, 0.1)).with_scheduler(
+        max_num_seqs=128
+    )
     started = time.perf_counter()
     seconds, iters = (20, 1) if quick else (120, 4)
     cap = capacity(

@@ -27,6 +27,7 @@ from typing import Any
 from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig
 from cluster.simulator import SimConfig, Simulator, Slo, capacity
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
+from engine.core.config import SchedulerConfig
 from engine.runner.cost_model import GPUS, MODELS
 from loadtests.plotting import pyplot
 
@@ -49,8 +50,7 @@ def paper_settings() -> list[Setting]:
         return SimConfig(
             model=model,
             gpu=gpu,
-            max_num_batched_tokens=4096,
-            max_model_len=4096,
+            scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=4096),
             memory_aware=MemoryAwareConfig(eta=0.95, bounds=bounds),
             sla=sla,
             slo=slo,
@@ -88,7 +88,7 @@ def run_paper(num_requests: int, capacity_seconds: float, iters: int) -> dict[st
 
         static_tp, static_caps = {}, {}
         for b in setting.static_values:
-            c = replace(setting.config, policy="static", max_num_seqs=b)
+            c = replace(setting.config, policy="static").with_scheduler(max_num_seqs=b)
             s = Simulator(c).run(trace).summary()
             static_tp[b] = s["output_tok_s"]
             static_caps[b] = capacity(c, make_trace, iters=iters)
@@ -98,7 +98,9 @@ def run_paper(num_requests: int, capacity_seconds: float, iters: int) -> dict[st
         static_cap = static_caps[best_cap_b]
         best_dyn_tp, best_dyn_cap = 0.0, 0.0
         for policy in ("memory_aware", "sla", "combined"):
-            c = replace(setting.config, policy=policy, max_num_seqs=max(setting.static_values))
+            c = replace(setting.config, policy=policy).with_scheduler(
+                max_num_seqs=max(setting.static_values)
+            )
             s = Simulator(c).run(trace).summary()
             cap = capacity(c, make_trace, iters=iters)
             rows.append(_row(setting.name, policy, None, s, cap))
@@ -323,7 +325,7 @@ def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...])
 
 def run_speed(hours: float, rate: float) -> dict[str, Any]:
     n = int(hours * 3600 * rate)
-    config = SimConfig(model=MODELS["Llama-2-7B"], gpu=GPUS["H100-80GB"], max_num_seqs=256)
+    config = SimConfig(MODELS["Llama-2-7B"], GPUS["H100-80GB"]).with_scheduler(max_num_seqs=256)
     trace = make_workload(n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=0)
     start = time.perf_counter()
     res = Simulator(config).run(trace)

@@ -130,17 +130,9 @@ def predict_wall(
     engine_config,
     trace: list[SimRequest],
 ) -> float:
-    sched = engine_config.scheduler
     config = SimConfig(
-        model=model,
-        gpu=device,
-        cost=params,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
-        max_model_len=sched.max_model_len,
-    )
+        model=model, gpu=device, cost=params, scheduler=engine_config.scheduler
+    ).with_cache(num_blocks=num_blocks, block_size=block_size)
     return Simulator(config).run(trace).duration_s
 
 

@@ -35,11 +35,11 @@ def peak_gemm_flops(
 
 
 def peak_native_gemm_flops(n: int = 2048, reps: int = 10) -> float | None:
-    """Best FLOP/s of the engine's own CPU GEMM (`engine/model/csrc/gemm_fm.c`) on an n³
+    """Best FLOP/s of the engine's own CPU GEMM (`engine/cpu/csrc/gemm_fm.c`) on an n³
     product, or None where it does not run. On AMD AVX-512 hosts it is about twice torch's
     matmul (MKL keeps to AVX2 kernels there): then this, not torch, is the machine's peak."""
-    from engine.model.fused import DecoderOps
-    from engine.runner.malloc_tuning import keep_freed_memory_in_heap
+    from engine.cpu.decoder_ops import DecoderOps
+    from engine.cpu.host_memory import keep_freed_memory_in_heap
 
     ops = DecoderOps()
     if ops.gemm_fm_max_tokens < n:

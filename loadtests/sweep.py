@@ -38,6 +38,7 @@ from typing import Any
 
 from cluster.metrics import percentile
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, LengthDist
+from engine.core.config import SchedulerConfig
 from loadtests.plotting import pyplot
 
 KNEE_SHARE = 0.9
@@ -52,7 +53,7 @@ class PromptSpec:
     prefix_len: int = 256  # shared-prefix: the common prefix
     token_lo: int = 32
     token_hi: int = 1000
-    max_model_len: int = 2048
+    max_model_len: int = SchedulerConfig.max_model_len
 
 
 class PromptSource:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from serve_app.tracing import TracingArgs
@@ -14,85 +16,47 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineArgs(_Strict):
-    """Settings of the engine inside every engine replica."""
+# deploy.yaml's `engine:` is flat: every knob of these records but the model, under the same
+# name, with the same default and description (engine/core/config.py defines each once).
+_ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
+_NOT_ENGINE_ARGS = {"model", "cache", "scheduler"}
 
-    dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="Weight and activation dtype."
-    )
-    device: str = Field("cpu", description="torch device of the engine: 'cpu' or 'cuda'.")
-    attention_backend: Literal["torch", "flash"] = Field(
-        "torch", description="Paged attention kernels: 'torch' (any device) or 'flash' (CUDA)."
-    )
-    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
-    kv_cache_bytes: int | None = Field(
-        256 << 20,
-        ge=1,
-        description="KV cache byte budget per replica (the rule on CPU). Null: use "
-        "gpu_memory_fraction.",
-    )
-    gpu_memory_fraction: float = Field(
-        0.9, gt=0.0, le=1.0, description="Share of GPU memory for weights + KV cache."
-    )
-    enable_prefix_caching: bool = Field(
-        True, description="Reuse the KV of cached full blocks that share a request's prefix."
-    )
-    max_num_seqs: int = Field(64, ge=1, description="Most requests in one step's batch.")
-    max_num_batched_tokens: int = Field(
-        1024, ge=1, description="Most tokens (prefill chunks + decodes) in one step."
-    )
-    max_model_len: int = Field(
-        2048, ge=2, description="Longest prompt + completion, in tokens, a request may have."
-    )
-    scheduling_policy: Literal["fcfs", "priority", "sjf"] = Field(
-        "fcfs",
-        description="Admission and preemption order: fcfs (arrival), priority (the request's "
-        "`priority`, lower first), sjf (prompt + max_tokens, shortest first).",
-    )
-    aging_s: float = Field(
-        30.0, gt=0.0, description="A request waiting this long goes ahead of every other."
-    )
-    preemption_mode: Literal["recompute", "swap"] = Field(
-        "recompute",
-        description="When KV blocks run out: recompute (drop a request's KV, recompute it "
-        "later) or swap (copy it to host memory and back; recompute when the host pool is full).",
-    )
-    swap_space_bytes: int = Field(
-        256 << 20, ge=0, description="swap: host memory for swapped-out KV blocks per replica."
-    )
-    batching: Literal["continuous", "static"] = Field(
-        "continuous", description="'static' is the naive baseline, for A/B runs only."
-    )
-    num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads of the engine (CPU). Null: torch's default."
-    )
-    seed: int = Field(0, description="Seed of the engine's default sampling generator.")
+
+def _engine_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for record in _ENGINE_RECORDS:
+        hints = typing.get_type_hints(record)
+        for f in dataclasses.fields(record):
+            if f.name not in _NOT_ENGINE_ARGS:
+                fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
+    return fields
+
+
+class _EngineArgsBase(_Strict):
+    """Settings of the engine inside every engine replica (engine/core/config.py)."""
 
     def engine_config(self, model: str) -> EngineConfig:
+        """The core records; raises InvalidParam (a ValueError) naming a bad knob."""
+        values = self.model_dump()
+
+        def take(record: type) -> dict[str, Any]:
+            names = {f.name for f in dataclasses.fields(record)} - _NOT_ENGINE_ARGS
+            return {name: values[name] for name in names}
+
         return EngineConfig(
             model=model,
-            dtype=self.dtype,
-            device=self.device,
-            attention_backend=self.attention_backend,
-            seed=self.seed,
-            num_threads=self.num_threads,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_bytes=self.kv_cache_bytes,
-                gpu_memory_fraction=self.gpu_memory_fraction,
-                enable_prefix_caching=self.enable_prefix_caching,
-                swap_space_bytes=self.swap_space_bytes,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                batching=self.batching,
-                scheduling_policy=self.scheduling_policy,
-                aging_s=self.aging_s,
-                preemption_mode=self.preemption_mode,
-            ),
+            cache=CacheConfig(**take(CacheConfig)),
+            scheduler=SchedulerConfig(**take(SchedulerConfig)),
+            **take(EngineConfig),
         )
+
+    @model_validator(mode="after")
+    def _validate_in_core(self) -> _EngineArgsBase:
+        self.engine_config(model="")  # the one validation of each knob
+        return self
+
+
+EngineArgs = create_model("EngineArgs", __base__=_EngineArgsBase, **_engine_fields())
 
 
 class BatchingArgs(_Strict):

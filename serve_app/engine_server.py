@@ -312,12 +312,6 @@ class EngineServer:
             self.external.set(decision.limits)
             self.num_reports_ok += 1
 
-    async def model_info(self) -> dict[str, Any]:
-        return {
-            "max_model_len": self.engine.engine.scheduler.config.max_model_len,
-            "vocab_size": self.engine.engine.runner_vocab_size(),
-        }
-
     async def record_routing_stats(self) -> dict[str, Any]:
         """Read by the ingress's request router (serve_app.router.LoadAwareRouter)."""
         return {

@@ -1,4 +1,4 @@
-"""Reference paged attention in plain torch: runs on CPU and GPU."""
+"""The reference paged attention in plain torch (SDPA): runs on any device and dtype."""
 
 from __future__ import annotations
 
@@ -10,15 +10,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.base import AttentionBackend, BatchLayout, write_kv
-from engine.attention.native import (
-    PrefillChunks,
-    load_native_decode,
-    load_native_prefill,
-    native_decode_supported,
-    native_prefill_supported,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
 
 
 @dataclass
@@ -42,7 +33,6 @@ class TorchAttentionMetadata:
     # (the native kernel reads seq_lens), at most once per step.
     decode_mask: torch.Tensor | None
     prefills: list[_Prefill]
-    native_prefills: PrefillChunks | None  # the same chunks for the native kernel (CPU)
 
 
 # cuDNN's SDPA builds an execution plan per new shape (about 2.3 ms of CPU per call on an
@@ -56,18 +46,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes: one batched call. On CPU in float32 that is a native kernel that reads K/V
-    straight from the paged cache (`native_decode=True`, the default, where it builds);
-    otherwise SDPA over a padded gather of their blocks (the reference). Prefill chunks: on
-    CPU in float32 with AVX2, one native flash-style call for all of them, reading the
-    cache (`native_prefill=True`); otherwise one SDPA call each, causal over the fresh chunk,
-    or masked over cache + chunk when resuming (the reference)."""
+    """Decodes: one SDPA call over a padded gather of their blocks. Prefill chunks: one SDPA
+    call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
 
     name = "torch"
-
-    def __init__(self, native_decode: bool = True, native_prefill: bool = True) -> None:
-        self._native = load_native_decode() if native_decode else None
-        self._native_prefill = load_native_prefill() if native_prefill else None
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -89,18 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             nb = -(-seq_len // bs)
             prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb]))
-        native = None
-        if prefills and self._native_prefill is not None and device.type == "cpu":
-            rows = range(nd, len(layout.seq_lens))
-            native = PrefillChunks(
-                q_start=torch.tensor([layout.query_start_loc[i] for i in rows]),
-                num_tokens=torch.tensor([p.end - p.start for p in prefills]),
-                num_cached=torch.tensor([layout.num_computed[i] for i in rows]),
-                block_table=layout.block_table[nd:].contiguous(),
-            )
-        return TorchAttentionMetadata(
-            layout.slot_mapping, nd, dbt, seq_lens, None, prefills, native
-        )
+        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, seq_lens, None, prefills)
 
     def forward(
         self,
@@ -112,48 +83,54 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        m = metadata
-        write_kv(k, v, k_cache, v_cache, m.slot_mapping)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
+        if metadata.num_decodes:
+            self.decode(q, k_cache, v_cache, metadata, scale, out)
+        self.prefill(q, k, v, k_cache, v_cache, metadata, scale, out)
+        return out
+
+    @staticmethod
+    def decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        m: TorchAttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the decode rows (the first `m.num_decodes` of q) into `out`."""
         nd = m.num_decodes
-        if nd and self._native is not None and native_decode_supported(q, k_cache):
-            paged_decode_attention(
-                self._native,
-                q[:nd],
-                k_cache,
-                v_cache,
-                m.decode_block_table,
-                m.decode_seq_lens,
-                scale,
-                out=out[:nd],
-            )
-        elif nd:
-            if m.decode_mask is None:
-                keys = torch.arange(
-                    m.decode_block_table.shape[1] * k_cache.shape[1], device=q.device
-                )
-                m.decode_mask = (keys[None, :] < m.decode_seq_lens[:, None]).view(nd, 1, 1, -1)
-            length = m.decode_mask.shape[-1]
-            kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
-            vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
-            od = _sdpa(
-                q[:nd].unsqueeze(2),
-                kd.transpose(1, 2),
-                vd.transpose(1, 2),
-                attn_mask=m.decode_mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[:nd] = od.squeeze(2)
-        if (
-            m.native_prefills is not None
-            and native_prefill_supported(q, k_cache)
-            and paged_prefill_attention(
-                self._native_prefill, q, k_cache, v_cache, m.native_prefills, out, scale
-            )
-        ):
-            return out
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        if m.decode_mask is None:
+            keys = torch.arange(m.decode_block_table.shape[1] * k_cache.shape[1], device=q.device)
+            m.decode_mask = (keys[None, :] < m.decode_seq_lens[:, None]).view(nd, 1, 1, -1)
+        length = m.decode_mask.shape[-1]
+        kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
+        vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
+        od = _sdpa(
+            q[:nd].unsqueeze(2),
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            attn_mask=m.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[:nd] = od.squeeze(2)
+
+    @staticmethod
+    def prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        m: TorchAttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of every prefill chunk's rows into `out`."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for p in m.prefills:
             qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
             if p.block_ids is None:
@@ -176,4 +153,3 @@ class TorchAttentionBackend(AttentionBackend):
                     enable_gqa=True,
                 )
             out[p.start : p.end] = oi[0].transpose(0, 1)
-        return out

@@ -1,43 +1,69 @@
-"""Frozen configuration records of the engine core (pure Python: no torch, no ray)."""
+"""The engine's knobs: each defined once here, with its default, its validation and its
+description (pure Python: no torch, no ray).
+
+Everything else derives from these records: deploy.yaml's `engine:` section
+(serve_app.config.EngineArgs), the simulator's replica (cluster.simulator.SimConfig) and
+docs/configuration.md (generated from the descriptions by `python -m serve_app.config_docs`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from engine.core.errors import InvalidParam
 
 SchedulingPolicy = Literal["fcfs", "priority", "sjf"]
 BatchingMode = Literal["continuous", "static"]
 PreemptionMode = Literal["recompute", "swap"]
+Dtype = Literal["float32", "float16", "bfloat16"]
+AttentionBackendName = Literal["auto", "cpu", "torch"]
+
+
+def knob(default: Any, doc: str) -> Any:
+    """A configuration field: its default and the description users read."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def _check(ok: bool, param: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise InvalidParam(param, f"{param} must be {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How the paged KV cache is sized.
+    """How the paged KV cache is sized. Exactly one sizing rule applies, in this order:
+    `num_blocks`, `kv_cache_bytes`, `gpu_memory_fraction`."""
 
-    Exactly one sizing rule applies, in this order: `num_blocks` (explicit), `kv_cache_bytes`
-    (a byte budget: the rule on CPU), `gpu_memory_fraction` (a fraction of device memory).
-    """
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = 1 << 30
-    gpu_memory_fraction: float = 0.9
-    enable_prefix_caching: bool = True
-    # Host-memory block pool for swap preemption: an explicit block count, else a byte budget.
-    num_host_blocks: int | None = None
-    swap_space_bytes: int = 256 << 20
+    block_size: int = knob(16, "Tokens per KV cache block.")
+    num_blocks: int | None = knob(
+        None, "KV cache blocks per replica, explicitly. Null: sized from a budget below."
+    )
+    kv_cache_bytes: int | None = knob(
+        1 << 30,
+        "KV cache byte budget per replica (the rule on CPU). Null: use gpu_memory_fraction.",
+    )
+    gpu_memory_fraction: float = knob(
+        0.9, "Share of the GPU memory left after the weights that the KV cache takes."
+    )
+    enable_prefix_caching: bool = knob(
+        True, "Reuse the KV of cached full blocks that share a request's prefix."
+    )
+    num_host_blocks: int | None = knob(
+        None, "swap: host KV blocks per replica, explicitly. Null: from swap_space_bytes."
+    )
+    swap_space_bytes: int = knob(
+        256 << 20, "swap: host memory for swapped-out KV blocks per replica."
+    )
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(
-                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
-            )
+        _check(self.block_size >= 1, "block_size", ">= 1", self.block_size)
+        for name in ("num_blocks", "kv_cache_bytes", "num_host_blocks"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, ">= 1 or null", value)
+        fraction = self.gpu_memory_fraction
+        _check(0.0 < fraction <= 1.0, "gpu_memory_fraction", "in (0, 1]", fraction)
+        _check(self.swap_space_bytes >= 0, "swap_space_bytes", ">= 0", self.swap_space_bytes)
 
 
 @dataclass(frozen=True)
@@ -48,47 +74,59 @@ class SchedulerLimits:
     max_num_batched_tokens: int
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        tokens = self.max_num_batched_tokens
+        _check(tokens >= 1, "max_num_batched_tokens", ">= 1", tokens)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Static scheduler settings; `limits()` gives the starting SchedulerLimits."""
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    batching: BatchingMode = "continuous"
-    # Which waiting request is admitted first, and which running one is preempted first:
-    # fcfs (arrival), priority (the request's priority, lower first), sjf (prompt + max_tokens,
-    # shortest first). A request that has waited aging_s or more goes ahead of all others.
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    aging_s: float = 30.0
-    # recompute: a preempted request drops its KV and recomputes it. swap: its KV is copied
-    # to the host pool and back (recompute when the host pool is full).
-    preemption_mode: PreemptionMode = "recompute"
+    max_num_seqs: int = knob(
+        128, "Most requests in one step's batch (the start value of dynamic batching policies)."
+    )
+    max_num_batched_tokens: int = knob(2048, "Most tokens (prefill chunks + decodes) in one step.")
+    max_model_len: int = knob(2048, "Longest prompt + completion, in tokens, a request may have.")
+    batching: BatchingMode = knob(
+        "continuous",
+        "continuous: iteration-level batching. static: admit a batch and run it until all of "
+        "it finishes (the naive baseline, for A/B runs only).",
+    )
+    scheduling_policy: SchedulingPolicy = knob(
+        "fcfs",
+        "Admission and preemption order: fcfs (arrival), priority (the request's `priority`, "
+        "lower first), sjf (prompt + max_tokens, shortest first).",
+    )
+    aging_s: float = knob(30.0, "A request waiting this long goes ahead of every other.")
+    preemption_mode: PreemptionMode = knob(
+        "recompute",
+        "When KV blocks run out: recompute (drop a request's KV, recompute it later) or swap "
+        "(copy it to host memory and back; recompute when the host pool is full).",
+    )
 
     def __post_init__(self) -> None:
-        SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens)  # validates both
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.scheduling_policy not in ("fcfs", "priority", "sjf"):
-            raise ValueError(
-                f"scheduling_policy must be fcfs, priority or sjf, got {self.scheduling_policy!r}"
-            )
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}"
-            )
-        if self.aging_s <= 0:
-            raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
+        self.limits()  # validates both
+        _check(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
+        _check(
+            self.batching in ("continuous", "static"),
+            "batching",
+            "continuous or static",
+            self.batching,
+        )
+        _check(
+            self.scheduling_policy in ("fcfs", "priority", "sjf"),
+            "scheduling_policy",
+            "fcfs, priority or sjf",
+            self.scheduling_policy,
+        )
+        _check(
+            self.preemption_mode in ("recompute", "swap"),
+            "preemption_mode",
+            "recompute or swap",
+            self.preemption_mode,
+        )
+        _check(self.aging_s > 0, "aging_s", "> 0", self.aging_s)
 
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens)
@@ -98,12 +136,39 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything needed to build an LLMEngine over a local HF checkpoint directory."""
 
-    model: str
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    device: str = "cpu"
-    attention_backend: Literal["torch", "flash"] = "torch"
-    seed: int = 0
-    # None keeps torch's default; benchmarks pin it to the core count.
-    num_threads: int | None = None
+    model: str = field(
+        metadata={"doc": "Local HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3)."}
+    )
+    dtype: Dtype = knob("float32", "Weight and activation dtype.")
+    device: str = knob("cpu", "torch device of the engine: 'cpu' or 'cuda'.")
+    attention_backend: AttentionBackendName = knob(
+        "auto",
+        "Paged attention kernels: cpu (native, CPU only), torch (the reference, any device), "
+        "auto (cpu on CPU float32 where the kernels build, else torch; the choice is logged).",
+    )
+    seed: int = knob(0, "Seed of the engine's default sampling generator.")
+    num_threads: int | None = knob(
+        None, "torch intra-op threads of the engine (CPU). Null: torch's default."
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("float32", "float16", "bfloat16"),
+            "dtype",
+            "float32, float16 or bfloat16",
+            self.dtype,
+        )
+        _check(
+            self.attention_backend in ("auto", "cpu", "torch"),
+            "attention_backend",
+            "auto, cpu or torch",
+            self.attention_backend,
+        )
+        _check(
+            self.num_threads is None or self.num_threads >= 1,
+            "num_threads",
+            ">= 1 or null",
+            self.num_threads,
+        )

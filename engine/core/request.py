@@ -75,15 +75,6 @@ class Request:
             stop_ids.update(eos_token_ids)
         self.stop_token_ids = frozenset(stop_ids)
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-        self.num_tokens += 1
-        self.num_output_tokens += 1
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "

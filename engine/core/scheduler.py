@@ -251,7 +251,6 @@ class Scheduler:
             if not sched.sample:
                 continue
             token = sampled[sched.request_id]
-            # request.append_output_token(token), inlined for the hot path.
             request.all_token_ids.append(token)
             request.num_tokens += 1
             request.num_output_tokens += 1

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.model.fused import DecoderOps, PackedWeight
+from engine.cpu.decoder_ops import DecoderOps, PackedWeight
 from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
 

@@ -11,9 +11,9 @@ from engine.attention.base import BatchLayout
 from engine.attention.registry import get_attention_backend
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.model.decoder import Decoder
 from engine.model.loader import DecoderSpec, load_state_dict, read_spec
-from engine.runner.malloc_tuning import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.sampler import Sampler
 
 
@@ -39,11 +39,15 @@ class TorchModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self._max_model_len = max_len
-        self.model = Decoder(spec, spec.max_position_embeddings).to(self.dtype)
+        # The native CPU ops are built and used only when the device is the CPU.
+        native_ops = self.device.type == "cpu"
+        self.model = Decoder(spec, spec.max_position_embeddings, native_ops).to(self.dtype)
         self.model.load_checkpoint(load_state_dict(config.model, self.dtype))
         self.model.to(self.device).eval()
         self.model.pack_weights()
-        self.backend = get_attention_backend(config.attention_backend, config.device)
+        self.backend = get_attention_backend(
+            config.attention_backend, self.device.type, config.dtype
+        )
         self.block_size = config.cache.block_size
         self._num_blocks = self._size_cache(config.cache)
         shape = (self._num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)

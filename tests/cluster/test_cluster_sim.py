@@ -10,7 +10,7 @@ from cluster.simulator import SimConfig, Simulator
 from cluster.workload import Burst, make_diurnal_workload, make_workload
 from engine.runner.cost_model import GPUS, MODELS
 
-REPLICA = SimConfig(MODELS["Llama-2-7B"], GPUS["A100-80GB"], max_num_seqs=128)
+REPLICA = SimConfig(MODELS["Llama-2-7B"], GPUS["A100-80GB"]).with_scheduler(max_num_seqs=128)
 RULE = AutoscaleConfig(1, 4, target_waiting=4, upscale_delay_s=5, downscale_delay_s=20)
 
 

@@ -17,9 +17,9 @@ from engine.runner.cost_model import GPUS, MODELS, CostModelRunner, ModelSpec, s
 from engine.runner.recording import RecordingRunner
 
 
-def small_config(**kw) -> SimConfig:
-    base = SimConfig(model=MODELS["Llama-2-7B"], gpu=GPUS["A100-80GB"], max_num_seqs=64)
-    return replace(base, **kw)
+def small_config(num_blocks: int | None = None, max_num_seqs: int = 64, **kw) -> SimConfig:
+    base = SimConfig(model=MODELS["Llama-2-7B"], gpu=GPUS["A100-80GB"], **kw)
+    return base.with_scheduler(max_num_seqs=max_num_seqs).with_cache(num_blocks=num_blocks)
 
 
 def trace(n=200, rate=8.0, seed=1):

@@ -147,8 +147,8 @@ def test_sjf_lowers_mean_latency_in_the_simulator():
     )
     means = {}
     for policy in ("fcfs", "sjf"):
-        config = SimConfig(
-            MODELS["Llama-2-7B"], GPUS["A100-40GB"], max_num_seqs=32, scheduling_policy=policy
+        config = SimConfig(MODELS["Llama-2-7B"], GPUS["A100-40GB"]).with_scheduler(
+            max_num_seqs=32, scheduling_policy=policy
         )
         records = Simulator(config).run(trace).records.values()
         means[policy] = sum(r.e2e for r in records) / len(records)

@@ -1,9 +1,8 @@
 """The attention backend contract, checked against dense per-request attention.
 
-Both torch paths (the native CPU decode and prefill kernels, and the pure-torch reference)
-must write the new K/V into the right cache slots and return causal attention over each
-request's whole context.
-A flash-attn backend will be held to this same test on GPU.
+Both backends (`cpu`: the native decode and prefill kernels; `torch`: the reference) must
+write the new K/V into the right cache slots and return causal attention over each request's
+whole context. Every GPU backend will be held to this same test.
 """
 
 from __future__ import annotations
@@ -15,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import BatchLayout
-from engine.attention.native import load_native_decode, load_native_prefill
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.cpu.attention_backend import CpuAttentionBackend
+from engine.cpu.attention_kernels import load_native_decode, load_native_prefill
 
 
 def dense_reference(q, k, v, scale):
@@ -88,7 +88,7 @@ def test_backend_matches_dense_attention_and_fills_the_cache(
     layout, q, k, v, k_cache, v_cache, contexts = make_case(
         3, num_heads, num_kv_heads, head_dim, block_size, shapes
     )
-    backend = TorchAttentionBackend(native_decode=native, native_prefill=native)
+    backend = CpuAttentionBackend() if native else TorchAttentionBackend()
     _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts)
 
 
@@ -120,7 +120,7 @@ def test_native_prefill_on_long_chunks(num_heads, num_kv_heads, head_dim, block_
     fused = torch.cat([q, torch.randn(q.shape[0], num_kv_heads, head_dim)], 1)
     q_view = fused[:, :num_heads]
     assert not q_view.is_contiguous()
-    backend = TorchAttentionBackend()
+    backend = CpuAttentionBackend()
     _check_against_dense(backend, layout, q_view, k, v, k_cache, v_cache, contexts)
 
 
@@ -130,8 +130,8 @@ def test_avx2_and_avx512_prefill_kernels_give_the_same_numbers():
     on which of the two ISAs its host has."""
     import ctypes
 
-    from engine.attention.native import PrefillChunks, paged_prefill_attention
-    from engine.native_build import host_cpu_flags
+    from engine.cpu.attention_kernels import PrefillChunks, paged_prefill_attention
+    from engine.cpu.build import host_cpu_flags
 
     if "avx512f" not in host_cpu_flags() or load_native_prefill() is None:
         pytest.skip("needs an AVX-512 host and a C compiler")
@@ -160,3 +160,18 @@ def test_avx2_and_avx512_prefill_kernels_give_the_same_numbers():
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert outs[0].abs().sum() > 0
+
+
+def test_auto_picks_the_native_kernels_on_cpu_float32_and_the_reference_elsewhere():
+    from engine.attention.registry import get_attention_backend
+
+    native = load_native_decode() is not None
+    auto = get_attention_backend("auto", "cpu", "float32")
+    assert auto.name == ("cpu" if native else "torch")
+    assert get_attention_backend("auto", "cpu", "bfloat16").name == "torch"
+    assert get_attention_backend("auto", "cuda", "bfloat16").name == "torch"
+    assert get_attention_backend("torch", "cpu", "float32").name == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("cpu", "cuda", "float32")
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attention_backend("flash", "cuda", "float32")

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.decoder import Decoder, PackedLinear, RMSNorm
-from engine.model.fused import (
+from engine.cpu.build import host_cpu_vendor
+from engine.cpu.decoder_ops import (
     DecoderOps,
     PackedWeight,
     argmax_last_dim,
     load_gemm,
     native_gemm_token_limit,
 )
+from engine.model.decoder import Decoder, PackedLinear, RMSNorm
 from engine.model.loader import load_state_dict, read_spec
 from engine.model.rope import RotaryEmbedding
-from engine.native_build import host_cpu_vendor
 from tests.conftest import tiny_model_dir
 
 NATIVE = DecoderOps(native=True)
@@ -148,8 +148,10 @@ def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> N
     """Each output column is one sequential sum over k: a request's result does not depend
     on its batch (the oracle's premise, and what makes greedy outputs batch-invariant)."""
     torch.manual_seed(0)
-    weight, x = torch.randn(1280, 768), torch.randn(768, 300)
     ops = NATIVE
+    # Wider steps go to MKL where this host's build stops short of them (AVX2: 160 tokens).
+    width = min(300, ops.gemm_fm_max_tokens)
+    weight, x = torch.randn(1280, 768), torch.randn(768, width)
     whole = ops.mm_fm(weight, x)
     # Widths past a multiple of 32 by 1-8 take a GEMV tail panel, by 9-16 a narrow one, by
     # 17-24 both, by 25-31 a padded wide one (17-31 tokens alone too); both weight layouts.
@@ -165,8 +167,10 @@ def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> N
         (0, 97),
         (2, 30),
     )
-    for w in (weight, PackedWeight(weight)):
+    layouts = (weight, PackedWeight(weight)) if ops.packs_weights else (weight,)
+    for w in layouts:
         for lo, hi in slices:
+            hi = min(hi, width)
             assert torch.equal(ops.mm_fm(w, x[:, lo:hi]), whole[:, lo:hi]), (lo, hi)
     # A non-contiguous (transposed) activation and a transposed result view are accepted.
     assert torch.equal(ops.mm_fm(weight, x.t().contiguous().t()), whole)
@@ -188,7 +192,7 @@ def test_packed_weights_give_the_row_major_numbers(n: int, k: int, t: int, token
     if NATIVE.packs_weights:
         assert torch.equal(out, NATIVE.mm_fm(weight, x))
     else:
-        torch.testing.assert_close(out, torch.mm(weight, x))
+        torch.testing.assert_close(out, torch.mm(weight, x), rtol=1e-4, atol=1e-4 * k**0.5)
 
 
 def test_decoder_packs_its_gemm_weights_where_the_native_gemm_runs_every_step() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.native_build import _FLAGS, _build
+from engine.cpu.build import _FLAGS, _build
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
@@ -30,7 +30,7 @@ def test_editing_an_included_header_rebuilds_the_library(tmp_path):
 def test_a_build_for_another_cpu_is_not_reused(tmp_path, monkeypatch):
     """`-march=native` builds for this CPU: a checkout shared with (or carried to) a host of
     another CPU must build its own library, not load one that may use missing instructions."""
-    import engine.native_build as native_build
+    import engine.cpu.build as native_build
 
     source = tmp_path / "kernel.c"
     source.write_text("int one(void) { return 1; }\n")

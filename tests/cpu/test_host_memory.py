@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.runner.malloc_tuning import zeros_on_huge_pages
+from engine.cpu.host_memory import zeros_on_huge_pages
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

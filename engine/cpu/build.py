@@ -22,7 +22,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "native"
+BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
 # Headers shared by several kernels (`#include "name.h"`).
 INCLUDE_DIR = Path(__file__).resolve().parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]

@@ -1,7 +1,7 @@
 """The native CPU paged attention kernels, called via ctypes: decode (csrc/paged_decode.c)
 and causal prefill (csrc/paged_prefill.c, AVX2 + FMA or AVX-512 hosts).
 
-Built on first use by `engine.native_build`; where that fails (or the CPU lacks what a kernel
+Built on first use by `engine.cpu.build`; where that fails (or the CPU lacks what a kernel
 needs), the loader returns None and the pure-torch path is used instead.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.native_build import load_native
+from engine.cpu.build import load_native
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 _PREFILL_SOURCE = Path(__file__).with_name("csrc") / "paged_prefill.c"

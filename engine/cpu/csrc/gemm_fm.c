@@ -34,14 +34,6 @@
 #define GRAINS_PER_THREAD_LARGE 16
 #endif
 #define GRAINS_PER_THREAD_SMALL 4
-/* 0: no narrower tail panel, the last wide panel padded (the build before them, for A/B). */
-#ifndef TAIL_PANELS
-#define TAIL_PANELS 1
-#endif
-/* 0: grains split W's rows only (the build before 2-D grains, for A/B runs). */
-#ifndef GRAINS_2D
-#define GRAINS_2D 1
-#endif
 #define GRAINS_LARGE_FROM_TOKENS 256
 
 typedef void (*tile_fn)(const float *restrict w, int64_t ldw, int64_t kc,
@@ -321,7 +313,7 @@ static struct gemm_variant pick_variant(int64_t B, int w16)
 static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t cols[2])
 {
     const int64_t r = B % 32;
-    if (!TAIL_PANELS || B <= 16 || r == 0 || r > 24) return 0;
+    if (B <= 16 || r == 0 || r > 24) return 0;
     if (r > 16) {
         tail[0] = pick_variant(16, w16), cols[0] = 16;
         tail[1] = pick_variant(r - 16, w16), cols[1] = r - 16;
@@ -569,11 +561,7 @@ static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t
         const int64_t nt = omp_get_num_threads();
         int64_t grains = nt * (B >= GRAINS_LARGE_FROM_TOKENS ? GRAINS_PER_THREAD_LARGE
                                                              : GRAINS_PER_THREAD_SMALL);
-#if GRAINS_2D
         const int64_t col_parts = chunks < grains ? chunks : grains;
-#else
-        const int64_t col_parts = 1;
-#endif
         int64_t row_parts = (grains + col_parts - 1) / col_parts;
         row_parts = row_parts < blocks ? row_parts : blocks;
         grains = row_parts * col_parts;

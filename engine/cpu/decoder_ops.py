@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.cpu.build import host_cpu_vendor, load_native
 from engine.model.rope import RotaryEmbedding, apply_rope
-from engine.native_build import host_cpu_vendor, load_native
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
 _GEMM_SOURCE = Path(__file__).with_name("csrc") / "gemm_fm.c"
@@ -276,15 +276,14 @@ def argmax_last_dim(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` for [rows, vocab] logits; the transposed view that the
     feature-major decoder returns (a contiguous [vocab, rows] underneath) goes to a native
     kernel, since torch reduces across columns on one thread (5-7 ms at 200 rows)."""
-    lib = _load()
     rows, vocab = logits.shape
     columns = logits.t()
     if (
-        lib is None
-        or logits.device.type != "cpu"
+        logits.device.type != "cpu"
         or logits.dtype != torch.float32
         or not columns.is_contiguous()
         or rows == 0
+        or (lib := _load()) is None
     ):
         return logits.argmax(dim=-1)
     out = torch.empty(rows, dtype=torch.int64)
