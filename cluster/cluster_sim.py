@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
 from cluster.batching import DecodeWindow, make_policy
 from cluster.control import ClusterControl, ReplicaStats, weighted_load
+from cluster.request_records import RequestRecord, summarize_records
 from cluster.simulator import (
-    RequestRecord,
     SimConfig,
     SimReplica,
     gc_paused,
-    summarize_records,
 )
 from cluster.workload import SimRequest
 from engine.core.outputs import SchedulerStats

@@ -16,6 +16,7 @@ from typing import Any
 
 from cluster.batching import AnyPolicy, DecodeWindow, sla_part
 from cluster.engine_metrics import EngineMetricsSnapshot
+from cluster.metrics import percentile
 from engine.core.config import SchedulerLimits
 from engine.core.outputs import SchedulerStats
 
@@ -36,6 +37,33 @@ class LatencySummary:
     p50_s: float | None = None
     p99_s: float | None = None
     count: int = 0
+
+
+# Latency samples kept between two reports; beyond it the oldest go (controller unreachable).
+_MAX_SAMPLES = 4096
+
+
+class PeriodLatencies:
+    """TTFT and inter-token gaps of a replica's requests since its last report (a chunk of
+    k tokens after a gap g is one sample of g / k)."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+    def add(self, samples: list[float], value: float) -> None:
+        if len(samples) >= _MAX_SAMPLES:
+            del samples[: _MAX_SAMPLES // 2]
+        samples.append(value)
+
+    def take(self) -> tuple[LatencySummary, LatencySummary]:
+        """This period's summaries; the next period starts empty."""
+        ttft, itl = (
+            LatencySummary(percentile(x, 50), percentile(x, 99), len(x)) if x else LatencySummary()
+            for x in (self.ttft, self.itl)
+        )
+        self.ttft, self.itl = [], []
+        return ttft, itl
 
 
 @dataclass(frozen=True)
@@ -136,11 +164,6 @@ class ClusterControl:
             del self.replicas[rid]
         self.num_expired_total += len(gone)
         return gone
-
-    def latest(self, now: float) -> list[tuple[ReplicaStats, ControlDecision]]:
-        """Each live replica's last report and decision (what GET /metrics renders)."""
-        self.expire(now)
-        return [(e.last, e.decision) for _, e in sorted(self.replicas.items())]
 
     def view(self, now: float) -> dict[str, Any]:
         """The cluster as JSON-ready data: GET /v1/cluster and `python -m cluster.status`."""

@@ -38,9 +38,6 @@ class ClusterController:
     async def report(self, stats: ReplicaStats) -> ControlDecision:
         return self.control.report(stats, time.monotonic())
 
-    async def latest(self) -> list[tuple[ReplicaStats, ControlDecision]]:
-        return self.control.latest(time.monotonic())
-
     async def status(self) -> dict[str, Any]:
         view = self.control.view(time.monotonic())
         view["controller_uptime_s"] = round(time.time() - self.started_at, 3)

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput, merge_queued
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ class AsyncLLMEngine:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidParam("request_id", f"request_id {request_id!r} is already in use")
         # ValueError: bad input
         request = self.engine.make_request(request_id, prompt, params, priority)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

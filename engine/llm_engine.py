@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats
 from engine.core.policy import BatchingPolicy
@@ -84,11 +85,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) for t in prompt):
-            raise ValueError("prompt: token ids must be integers")
+            raise InvalidParam("prompt", "prompt: token ids must be integers")
         vocab = self.runner_vocab_size()
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidParam(
+                "prompt", f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
+            )
         return list(prompt)
 
     def runner_vocab_size(self) -> int:
@@ -107,7 +110,7 @@ class LLMEngine:
         params.validate()
         token_ids = self.tokenize(prompt)
         if not token_ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidParam("prompt", "prompt: must not be empty")
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(request)
         return request
@@ -198,7 +201,7 @@ class LLMEngine:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError("params: need one SamplingParams per prompt")
+            raise InvalidParam("params", "params: need one SamplingParams per prompt")
         self._generate_calls += 1
         ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
         results: dict[str, GenerationResult] = {}

@@ -17,7 +17,8 @@ from typing import Any
 
 from cluster.autoscale import AutoscaleConfig
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
-from cluster.simulator import SimConfig, Slo, capacity
+from cluster.request_records import Slo
+from cluster.simulator import SimConfig, capacity
 from cluster.workload import Burst, diurnal_rate, make_diurnal_workload, make_workload
 from engine.runner.cost_model import GPUS, MODELS
 from loadtests.plotting import pyplot

@@ -17,46 +17,17 @@ import time
 import torch
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.outputs import SchedulerOutput
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.model.loader import DecoderSpec, read_spec
-from engine.runner.cost_model import NO_LOSS, GpuSpec, ModelSpec, step_cost
+from engine.model.loader import read_spec
+from engine.runner.cost_model import GpuSpec
 from engine.runner.recording import RecordingRunner
 from engine.runner.torch_runner import TorchModelRunner
 from loadtests.cpu_accounting import StealMeter, host_info, steal_adjusted
+from loadtests.hf_baseline import run_hf_static
 from loadtests.peaks import measure_device, peak_native_gemm_flops
+from loadtests.roofline import schedule_bound_s, workload_flops
 from loadtests.workload import WorkItem, load_workload, resolve_model
-
-
-def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
-    """Model FLOPs the workload needs at the least: weights for every token, the vocab
-    projection once per output token, and causal attention over each token's context."""
-    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
-    q = spec.num_heads * spec.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size
-    weights_per_token = 2 * spec.num_layers * per_layer
-    lm_head = 2 * h * spec.vocab_size
-    attn_per_ctx = 4 * q * spec.num_layers  # QK^T and PV: 2 FLOPs per MAC, per context token
-    total = 0.0
-    for it in items:
-        p, o = len(it.prompt_token_ids), it.max_tokens
-        tokens = p + o - 1  # the last sampled token is never fed back
-        total += tokens * weights_per_token + o * lm_head
-        # Token at position i attends to i + 1 keys.
-        total += attn_per_ctx * (tokens * (tokens + 1) / 2)
-    return total
-
-
-def schedule_bound_s(
-    outputs: list[SchedulerOutput], model_dir: str, dtype: str, peaks: GpuSpec
-) -> float:
-    """The least time a recorded schedule could take on a machine with these peaks: each
-    step priced at max(FLOPs / peak FLOP/s, bytes / read bandwidth), weights read once per
-    step and every request's KV context once (the simulator's cost model, nothing lost)."""
-    dtype_bytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    model = ModelSpec.from_hf_config(model_dir, dtype_bytes=dtype_bytes)
-    return sum(step_cost(o, model, peaks, NO_LOSS).seconds for o in outputs)
 
 
 def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> dict:
@@ -178,40 +149,6 @@ def shared_prefix_main(model_dir: str, vocab_size: int, args) -> dict:
         "hit_rate_on": on["hit_rate"],
         "outputs_identical": True,
     }
-
-
-def run_hf_static(model_dir: str, items: list[WorkItem], batch_size: int, args) -> dict:
-    """HF generate in static batches with left padding; counts each request's own tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
-    model = model.to(args.device).eval()
-    pad = model.generation_config.pad_token_id or 0
-    produced = 0
-    with StealMeter() as steal:
-        start = time.perf_counter()
-        for b in range(0, len(items), batch_size):
-            batch = items[b : b + batch_size]
-            width = max(len(it.prompt_token_ids) for it in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, it in enumerate(batch):
-                n = len(it.prompt_token_ids)
-                ids[i, width - n :] = torch.tensor(it.prompt_token_ids)
-                mask[i, width - n :] = 1
-            with torch.no_grad():
-                out = model.generate(
-                    ids.to(args.device),
-                    attention_mask=mask.to(args.device),
-                    do_sample=False,
-                    max_new_tokens=max(it.max_tokens for it in batch),
-                    eos_token_id=None,
-                    pad_token_id=pad,
-                )
-            out.cpu()  # wait for the device
-            produced += sum(it.max_tokens for it in batch)
-        wall = time.perf_counter() - start
-    return {"tok_s": produced / wall, "wall_s": wall, "steal_frac": steal.fraction}
 
 
 def _steal_factor(ours: dict, baseline: dict) -> float:

@@ -11,6 +11,7 @@ from cluster.controller import ClusterController
 from serve_app.config import AppArgs, AutoscalingArgs
 from serve_app.engine_server import EngineServer
 from serve_app.ingress import OpenAIIngress
+from serve_app.metrics_board import EngineMetricsBoard
 
 # Serve's own limit on requests in flight at an engine replica sits above the replica's
 # capacity, so the engine (not Serve's router backoff) decides when to answer 429.
@@ -29,6 +30,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             app_args.batching.factory(app_args.engine.max_num_seqs),
             app_args.controller.stale_after_s,
         )
+    # Engine metrics for /metrics go through their own board, not the controller.
+    board = EngineMetricsBoard.options(ray_actor_options={"num_cpus": 0}).bind(
+        app_args.model_name, app_args.controller.stale_after_s
+    )
     engine_res = app_args.engine_replicas
     actor_options: dict[str, Any] = {
         "num_cpus": engine_res.num_cpus,
@@ -57,13 +62,13 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             request_router_kwargs=app_args.routing.model_dump(),
             request_routing_stats_period_s=1.0,
         ),
-    ).bind(plain, controller)
+    ).bind(plain, controller, board)
     ingress_res = app_args.ingress_replicas
     return OpenAIIngress.options(
         num_replicas=ingress_res.num_replicas,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": ingress_res.num_cpus, "num_gpus": ingress_res.num_gpus},
-    ).bind(engine, plain, controller)
+    ).bind(engine, plain, controller, board)
 
 
 def _autoscaling_config(scaling: AutoscalingArgs) -> dict[str, Any]:

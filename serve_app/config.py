@@ -56,7 +56,9 @@ class _EngineArgsBase(_Strict):
         return self
 
 
-EngineArgs = create_model("EngineArgs", __base__=_EngineArgsBase, **_engine_fields())
+EngineArgs = create_model(
+    "EngineArgs", __base__=_EngineArgsBase, __doc__=_EngineArgsBase.__doc__, **_engine_fields()
+)
 
 
 class BatchingArgs(_Strict):
@@ -111,13 +113,18 @@ class ControllerArgs(_Strict):
         "before every step, and GET /v1/cluster answers 503.",
     )
     report_interval_s: float = Field(
-        0.5, gt=0.0, description="How often each engine replica reports and gets its limits."
+        0.5,
+        gt=0.0,
+        description="How often each engine replica reports and gets its limits, and pushes "
+        "its metrics for /metrics (that push runs with the controller disabled too).",
     )
     report_timeout_s: float = Field(
         2.0, gt=0.0, description="A report not answered in this long fails; last limits stay."
     )
     stale_after_s: float = Field(
-        5.0, gt=0.0, description="A replica silent this long drops out of the cluster view."
+        5.0,
+        gt=0.0,
+        description="A replica silent this long drops out of the cluster view and /metrics.",
     )
 
 

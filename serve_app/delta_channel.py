@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
@@ -95,6 +96,56 @@ class Outbox:
             and not self.num_subscribers
             and time.monotonic() - self._last_read > ABANDONED_AFTER_S
         )
+
+
+class Outboxes:
+    """An engine replica's end: one Outbox per channel id, opened by that channel's first
+    open request or subscription, dropped once neither is left (or its ingress went away)."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[str, Outbox] = {}
+        self._batches_dropped = 0  # of outboxes already dropped
+        self._deltas_dropped = 0
+
+    def open(self, channel: str) -> Outbox:
+        """A request of `channel` starts: its deltas go to the returned outbox."""
+        for name, stale in list(self._boxes.items()):
+            if stale.abandoned:  # its ingress went away without reading the rest
+                self._drop(name, stale)
+        outbox = self._boxes.setdefault(channel, Outbox())
+        outbox.num_open += 1
+        return outbox
+
+    def close(self, channel: str, outbox: Outbox) -> None:
+        outbox.num_open -= 1
+        if outbox.unused:
+            self._drop(channel, outbox)
+
+    async def subscribe(self, channel: str) -> AsyncIterator[list[RequestOutput]]:
+        """`channel`'s deltas, one list per engine step, until idle a while."""
+        outbox = self._boxes.setdefault(channel, Outbox())
+        outbox.num_subscribers += 1
+        try:
+            while (batch := await outbox.take()) is not None:
+                yield batch
+        finally:
+            outbox.num_subscribers -= 1
+            if outbox.unused:
+                self._drop(channel, outbox)
+
+    def _drop(self, channel: str, outbox: Outbox) -> None:
+        if self._boxes.get(channel) is outbox:
+            self._batches_dropped += outbox.num_batches
+            self._deltas_dropped += outbox.num_deltas
+            del self._boxes[channel]
+
+    def stats(self) -> dict[str, int]:
+        boxes = self._boxes.values()
+        return {
+            "num_channels": len(self._boxes),
+            "channel_batches_total": self._batches_dropped + sum(o.num_batches for o in boxes),
+            "channel_deltas_total": self._deltas_dropped + sum(o.num_deltas for o in boxes),
+        }
 
 
 class DeltaChannels:

@@ -19,17 +19,15 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import autoscale
 from cluster.batching import DecodeWindow
-from cluster.control import ControlDecision, LatencySummary, ReplicaStats
+from cluster.control import ControlDecision, LatencySummary, PeriodLatencies, ReplicaStats
 from cluster.engine_metrics import EngineMetrics
-from cluster.metrics import percentile
-from engine.core.config import SchedulerLimits
+from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput, SchedulerStats
 from engine.core.policy import ExternalLimits
 from engine.core.sampling_params import SamplingParams
 from serve_app import tracing
 from serve_app.config import AppArgs
-from serve_app.delta_channel import ChannelledFirst, Outbox
-from serve_app.openai_protocol import field_of_message
+from serve_app.delta_channel import ChannelledFirst, Outboxes
 
 logger = logging.getLogger(__name__)
 
@@ -43,87 +41,44 @@ class EngineRejection:
     param: str | None = None
 
 
-# Latency samples kept between two reports; beyond it the oldest go (controller unreachable).
-_MAX_SAMPLES = 4096
-
-
-class _PeriodLatencies:
-    """TTFT and inter-token gaps of this replica's requests since the last report (a chunk of
-    k tokens after a gap g is one sample of g / k)."""
-
-    def __init__(self) -> None:
-        self.ttft: list[float] = []
-        self.itl: list[float] = []
-
-    def add(self, samples: list[float], value: float) -> None:
-        if len(samples) >= _MAX_SAMPLES:
-            del samples[: _MAX_SAMPLES // 2]
-        samples.append(value)
-
-    def take(self) -> tuple[LatencySummary, LatencySummary]:
-        out = tuple(
-            LatencySummary(percentile(x, 50), percentile(x, 99), len(x)) if x else LatencySummary()
-            for x in (self.ttft, self.itl)
-        )
-        self.ttft, self.itl = [], []
-        return out  # type: ignore[return-value]
-
-
-def _end_engine_span(span, final: RequestOutput, reason: str, started: float) -> None:
-    if final.queue_time_s is not None:
-        # Queue time runs from the engine's arrival stamp, a little after `started` (both
-        # monotonic): `started + queue time` is at most that little early.
-        span.add_event("scheduled", timestamp=tracing.wall_ns_of(started + final.queue_time_s))
-    span.set_attribute("dynabatch.output_tokens", final.num_output_tokens)
-    span.set_attribute("dynabatch.finish_reason", reason)
-    span.set_attribute("dynabatch.num_preemptions", final.num_preemptions)
-    if final.num_preemptions:
-        span.add_event("preempted", {"count": final.num_preemptions})
-    span.add_event("finished", {"finish_reason": reason})
-    span.end()
-
-
 @serve.deployment(name="EngineServer")
 class EngineServer:
     def __init__(
-        self, args: dict[str, Any] | AppArgs, controller: DeploymentHandle | None = None
+        self,
+        args: dict[str, Any] | AppArgs,
+        controller: DeploymentHandle | None = None,
+        metrics_board: DeploymentHandle | None = None,
     ) -> None:
         from engine.async_engine import AsyncLLMEngine
         from engine.llm_engine import LLMEngine
 
         self.args = AppArgs.model_validate(args)
         self.capacity = self.args.replica_capacity
-        engine_args = self.args.engine
+        config = self.args.engine.engine_config(self.args.model)
+        start = config.scheduler.limits()
         self.controller = controller
         if controller is not None:  # the controller runs the batching policy
-            self.external = ExternalLimits(
-                SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
-            )
-            policy = self.external
+            policy = self.external = ExternalLimits(start)
         else:  # the engine runs it itself, before every step
-            policy = self.args.batching.make(engine_args.max_num_seqs)
-        config = engine_args.engine_config(self.args.model)
+            policy = self.args.batching.make(start.max_num_seqs)
         self.engine = AsyncLLMEngine(LLMEngine(config, policy=policy))
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else "local"
         self.num_rejected_total = 0
-        self.latencies = _PeriodLatencies()
+        self.latencies = PeriodLatencies()
         self.metrics = EngineMetrics()
         self.tracer = tracing.make_tracer(self.args.tracing, "engine")
-        self.decision = ControlDecision(
-            SchedulerLimits(engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
-        )
-        self._outboxes: dict[str, Outbox] = {}
-        self._channel_batches_total = 0  # of outboxes already dropped
-        self._channel_deltas_total = 0
+        self.decision = ControlDecision(start)
+        self.outboxes = Outboxes()
         self.num_reports_ok = 0
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
-        self._report_task = (
-            asyncio.get_running_loop().create_task(self._report_loop())
-            if controller is not None
-            else None
-        )
+        loop = asyncio.get_running_loop()
+        self._tasks = []
+        if controller is not None:
+            self._tasks.append(loop.create_task(self._report_loop()))
+        if metrics_board is not None:
+            self._tasks.append(loop.create_task(self._metrics_loop(metrics_board)))
 
     async def generate(
         self,
@@ -146,71 +101,59 @@ class EngineServer:
             )
             return
         started = time.monotonic()
-        span = None
-        if self.tracer is not None:
-            span = self.tracer.start_span(
-                "engine.generate",
-                context=tracing.extract(trace_context),
-                attributes={
-                    "dynabatch.request_id": request_id,
-                    "dynabatch.replica": self.replica_id,
-                    "dynabatch.prompt_tokens": len(prompt_token_ids),
-                    "dynabatch.max_tokens": params.max_tokens or 0,
-                },
-            )
-            span.add_event("queued", timestamp=tracing.wall_ns_of(started))
-        try:
-            stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
-            first = await anext(stream)
-        except ValueError as exc:  # bad input: names the field; everyone else keeps going
-            if span is not None:
-                span.set_attribute("dynabatch.rejected", str(exc))
-                span.end()
-            yield EngineRejection("invalid_request", str(exc), field_of_message(str(exc)))
-            return
-        except StopAsyncIteration:
-            return
-        last_sent = time.monotonic()
-        self.latencies.add(self.latencies.ttft, last_sent - started)
-        self.metrics.ttft.observe(last_sent - started)
-        if span is not None:
-            span.add_event("first_token")
-        final = first
-        outbox = self._open_outbox(channel) if channel is not None else None
-        try:
-            if outbox is None:
-                yield first
-            else:
-                yield ChannelledFirst(first, self.replica_id)
-            held: RequestOutput | None = None
-            async for out in stream:
-                held = out if held is None else held.merge(out)
-                final = out
-                now = time.monotonic()
-                if out.finished or now - last_sent >= self.args.stream_interval_s:
-                    if k := len(held.new_token_ids):
-                        self.latencies.add(self.latencies.itl, (now - last_sent) / k)
-                        self.metrics.chunk(now - last_sent, k)
-                    if outbox is None:
-                        yield held
-                    else:
-                        outbox.put(held)
-                    held, last_sent = None, now
-        finally:  # also when the caller went away (the engine request was aborted)
-            if outbox is not None:
-                self._close_outbox(channel, outbox)
-            reason = final.finish_reason if final.finished else "abort"
-            self.metrics.finished(
-                final.num_prompt_tokens,
-                final.num_output_tokens,
-                reason,
-                time.monotonic() - started,
-                final.queue_time_s,
-            )
-            if span is not None:
-                _end_engine_span(span, final, reason or "abort", started)
+        attributes = {"dynabatch.request_id": request_id, "dynabatch.replica": self.replica_id}
+        attributes |= {"dynabatch.prompt_tokens": len(prompt_token_ids)}
+        attributes |= {"dynabatch.max_tokens": params.max_tokens or 0}
+        parent = tracing.extract(trace_context) if self.tracer is not None else None
+        with tracing.request_span(
+            self.tracer, "engine.generate", attributes, parent=parent
+        ) as span:
+            span.event("queued", timestamp=tracing.wall_ns_of(started))
+            try:
+                stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
+                first = await anext(stream)
+            except InvalidParam as exc:  # bad input: names the field; everyone else goes on
+                span.set({"dynabatch.rejected": str(exc)})
+                yield EngineRejection("invalid_request", str(exc), exc.param)
+                return
+            except StopAsyncIteration:
+                return
+            last_sent = time.monotonic()
+            self.latencies.add(self.latencies.ttft, last_sent - started)
+            self.metrics.ttft.observe(last_sent - started)
+            span.event("first_token")
+            final = first
+            outbox = self.outboxes.open(channel) if channel is not None else None
+            try:
+                yield first if outbox is None else ChannelledFirst(first, self.replica_id)
+                held: RequestOutput | None = None
+                async for out in stream:
+                    held = out if held is None else held.merge(out)
+                    final = out
+                    now = time.monotonic()
+                    if out.finished or now - last_sent >= self.args.stream_interval_s:
+                        if k := len(held.new_token_ids):
+                            self.latencies.add(self.latencies.itl, (now - last_sent) / k)
+                            self.metrics.chunk(now - last_sent, k)
+                        if outbox is None:
+                            yield held
+                        else:
+                            outbox.put(held)
+                        held, last_sent = None, now
+            finally:  # also when the caller went away (the engine request was aborted)
+                if outbox is not None:
+                    self.outboxes.close(channel, outbox)
+                reason = (final.finish_reason if final.finished else None) or "abort"
+                elapsed = time.monotonic() - started
+                self.metrics.finished(
+                    final.num_prompt_tokens,
+                    final.num_output_tokens,
+                    reason,
+                    elapsed,
+                    final.queue_time_s,
+                )
+                _record_life(span, final, reason, started)
 
-    # ------------------------------------------------------------------ delta channels
     async def subscribe(
         self, channel: str, replica_id: str | None = None
     ) -> AsyncIterator[list[RequestOutput]]:
@@ -219,34 +162,8 @@ class EngineServer:
         is read by the ingress's request router, which sends the call to that replica."""
         if replica_id is not None and replica_id != self.replica_id:
             return  # routed here by mistake: the ingress subscribes again
-        outbox = self._outboxes.setdefault(channel, Outbox())
-        outbox.num_subscribers += 1
-        try:
-            while (batch := await outbox.take()) is not None:
-                yield batch
-        finally:
-            outbox.num_subscribers -= 1
-            if outbox.unused:
-                self._drop(channel, outbox)
-
-    def _open_outbox(self, channel: str) -> Outbox:
-        for name, stale in list(self._outboxes.items()):
-            if stale.abandoned:  # its ingress went away without reading the rest
-                self._drop(name, stale)
-        outbox = self._outboxes.setdefault(channel, Outbox())
-        outbox.num_open += 1
-        return outbox
-
-    def _close_outbox(self, channel: str, outbox: Outbox) -> None:
-        outbox.num_open -= 1
-        if outbox.unused:
-            self._drop(channel, outbox)
-
-    def _drop(self, channel: str, outbox: Outbox) -> None:
-        if self._outboxes.get(channel) is outbox:
-            self._channel_batches_total += outbox.num_batches
-            self._channel_deltas_total += outbox.num_deltas
-            del self._outboxes[channel]
+        async for batch in self.outboxes.subscribe(channel):
+            yield batch
 
     async def stats(self) -> dict[str, Any]:
         """This replica's scheduler stats plus stream bookkeeping (tests, /metrics)."""
@@ -261,29 +178,25 @@ class EngineServer:
             decision=asdict(self.decision),
             num_reports_ok=self.num_reports_ok,
             num_report_failures=self.num_report_failures,
-            num_channels=len(self._outboxes),
-            channel_batches_total=self._channel_batches_total
-            + sum(o.num_batches for o in self._outboxes.values()),
-            channel_deltas_total=self._channel_deltas_total
-            + sum(o.num_deltas for o in self._outboxes.values()),
+            **self.outboxes.stats(),
         )
         return stats
 
-    # --------------------------------------------------------------- the controller loop
-    def replica_stats(self) -> ReplicaStats:
+    # ------------------------------------------------------- reports and metrics pushes
+    def replica_stats(self, take_latencies: bool = True) -> ReplicaStats:
         """This period's report. The decode window covers the time since the last report the
         controller answered (a lost report's decode steps go into the next one: a short burst
-        may give a single window); the latencies cover the time since the last report built."""
+        may give a single window); the latencies cover the time since the last report built
+        (`take_latencies=False`, for a metrics push, leaves them to the next report)."""
         sched = self.engine.engine.stats()
-        ttft, itl = self.latencies.take()
-        window = DecodeWindow.between(self._last_reported, sched)
+        ttft, itl = self.latencies.take() if take_latencies else (LatencySummary(),) * 2
         return ReplicaStats(
             replica_id=self.replica_id,
             scheduler=sched,
             num_streams=self.engine.num_streams,
             capacity=self.capacity,
             num_rejected_total=self.num_rejected_total,
-            decode=window,
+            decode=DecodeWindow.between(self._last_reported, sched),
             ttft=ttft,
             itl=itl,
             metrics=self.metrics.snapshot(
@@ -312,6 +225,19 @@ class EngineServer:
             self.external.set(decision.limits)
             self.num_reports_ok += 1
 
+    async def _metrics_loop(self, board: DeploymentHandle) -> None:
+        """Push this replica's metrics to the board every report interval, controller or not."""
+        control = self.args.controller
+        while True:
+            await asyncio.sleep(control.report_interval_s)
+            try:
+                call = board.push.remote(self.replica_stats(take_latencies=False), self.decision)
+                await asyncio.wait_for(call, control.report_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the board restarting: the next push refills it
+                logger.warning("metrics push failed: %r", exc)
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """Read by the ingress's request router (serve_app.router.LoadAwareRouter)."""
         return {
@@ -335,6 +261,20 @@ class EngineServer:
             raise RuntimeError(f"engine loop died: {self.engine.loop_error!r}")
 
     async def __del__(self) -> None:
-        if self._report_task is not None:
-            self._report_task.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.engine.shutdown()
+
+
+def _record_life(span: tracing.RequestSpan, final: RequestOutput, reason: str, started: float):
+    """The engine span's life-cycle: scheduled (queue time), preemptions, finished."""
+    if final.queue_time_s is not None:
+        # Queue time runs from the engine's arrival stamp, a little after `started` (both
+        # monotonic): `started + queue time` is at most that little early.
+        span.event("scheduled", timestamp=tracing.wall_ns_of(started + final.queue_time_s))
+    span.set({"dynabatch.output_tokens": final.num_output_tokens})
+    span.set({"dynabatch.num_preemptions": final.num_preemptions})
+    if final.num_preemptions:
+        span.event("preempted", {"count": final.num_preemptions})
+    span.event("finished", {"finish_reason": reason})
+    span.finish_reason = reason

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.core.errors import InvalidParam
 from engine.core.sampling_params import SamplingParams
 
 
@@ -113,7 +114,9 @@ class CompletionRequest(_SamplingFields):
             return p  # type: ignore[return-value]
         if isinstance(p, list) and len(p) == 1:
             return p[0]  # type: ignore[return-value]
-        raise ValueError("prompt: send one prompt per request (lists of prompts are not supported)")
+        raise InvalidParam(
+            "prompt", "prompt: send one prompt per request (lists of prompts are not supported)"
+        )
 
 
 class ChatMessage(_Body):
@@ -127,7 +130,7 @@ class ChatMessage(_Body):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported")
+                raise InvalidParam("messages", "messages: only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)
 
@@ -186,9 +189,3 @@ def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
 
 def chat_delta_choice(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
     return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-
-def field_of_message(message: str) -> str | None:
-    """Our ValueErrors start with the field's name ('max_tokens must be ...', 'prompt: ...')."""
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.isidentifier() else None

@@ -15,7 +15,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -135,3 +136,47 @@ def extract(carrier: dict[str, str] | None):
 def wall_ns_of(monotonic_s: float) -> int:
     """A time.monotonic() reading as wall-clock nanoseconds (span event timestamps)."""
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
+class RequestSpan:
+    """One request's span, or a no-op when tracing is off (or the request is not sampled
+    in): callers set attributes and events without checking. `request_span` ends it."""
+
+    def __init__(self, span: Any = None) -> None:
+        self.span = span
+        self.finish_reason = "abort"  # what the span says if the request never completes
+
+    def set(self, attributes: dict[str, Any]) -> None:
+        if self.span is not None:
+            self.span.set_attributes(attributes)
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None, **kw: Any) -> None:
+        if self.span is not None:
+            self.span.add_event(name, attributes or {}, **kw)
+
+    def carrier(self) -> dict[str, str] | None:
+        """W3C trace context to send with the engine call (None when not traced)."""
+        return inject(self.span) if self.span is not None else None
+
+
+@contextmanager
+def request_span(
+    tracer: Any, name: str, attributes: dict[str, Any], kind: str = "INTERNAL", parent=None
+) -> Iterator[RequestSpan]:
+    """The span of one request from start to end: it ends exactly once, when the block
+    exits, with `dynabatch.finish_reason` ("abort" unless the request set another). A
+    streamed response hands the block's exit to its body with an ExitStack."""
+    if tracer is None:
+        yield RequestSpan()
+        return
+    from opentelemetry.trace import SpanKind
+
+    span = tracer.start_span(
+        name, context=parent, kind=getattr(SpanKind, kind), attributes=attributes
+    )
+    handle = RequestSpan(span)
+    try:
+        yield handle
+    finally:
+        span.set_attribute("dynabatch.finish_reason", handle.finish_reason)
+        span.end()

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import SchedulerConfig, SchedulerLimits
+from engine.core.errors import InvalidParam
 from engine.core.histogram import CumulativeHistogram
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
@@ -87,10 +88,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ValueError if it could never run."""
+        """Queue a request. Raises InvalidParam if it could never run."""
         rid = request.request_id
         if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise InvalidParam("request_id", f"request_id {rid!r} is already in use")
         self.check_request(request)
         request.arrival_time = request.arrival_time or self.clock.now()
         request.seq = self._num_added
@@ -99,20 +100,22 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        """Raise ValueError if the request could never run here. Reads only the config."""
+        """Raise InvalidParam if the request could never run here. Reads only the config."""
         if request.num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least one token")
+            raise InvalidParam("prompt", "prompt must contain at least one token")
         total = request.num_prompt_tokens + request.sampling_params.max_tokens
         if total > self.config.max_model_len:
-            raise ValueError(
+            raise InvalidParam(
+                "prompt",
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
-                f"({self.config.max_model_len})"
+                f"({self.config.max_model_len})",
             )
         if self.kv_cache.blocks_needed(total) > self.kv_cache.num_blocks:
-            raise ValueError(
+            raise InvalidParam(
+                "prompt",
                 f"prompt + max_tokens ({total} tokens) needs more KV blocks than the cache "
-                f"holds ({self.kv_cache.num_blocks} of {self.kv_cache.block_size} tokens)"
+                f"holds ({self.kv_cache.num_blocks} of {self.kv_cache.block_size} tokens)",
             )
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu.build import host_cpu_vendor, load_native
+from engine.cpu.packed_weights import PackedWeight
 from engine.model.rope import RotaryEmbedding, apply_rope
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
@@ -76,30 +77,6 @@ def load_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.transpose_fm.argtypes = [_ptr, _i64, _i64, _ptr, _int]
     lib.transpose_fm.restype = _int
     return lib
-
-
-class PackedWeight:
-    """A [N, K] weight in the native GEMM's W16 layout: blocks of 16 rows, each stored
-    [K][16] (zero rows past N), so the 16 rows' values at one k are one vector. A decode
-    step's GEMV then streams each block once with no register transposes (those held the
-    row-major GEMV near 50 GB/s a core), and every tile reads W as one sequential stream.
-    The products are bit-identical to the row-major ones."""
-
-    BLOCK_ROWS = 16
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        n, k = weight.shape
-        blocks = -(-n // self.BLOCK_ROWS)
-        with torch.no_grad():
-            padded = weight.new_zeros(blocks * self.BLOCK_ROWS, k)
-            padded[:n] = weight
-            self.data = padded.view(blocks, self.BLOCK_ROWS, k).transpose(1, 2).contiguous()
-        self.shape = (n, k)
-
-    def unpacked(self) -> torch.Tensor:
-        """The row-major [N, K] weight (a copy)."""
-        n, k = self.shape
-        return self.data.transpose(1, 2).reshape(-1, k)[:n].clone()
 
 
 def _row_major(weight: torch.Tensor | PackedWeight) -> torch.Tensor:

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.cpu.decoder_ops import DecoderOps, PackedWeight
+from engine.cpu.decoder_ops import DecoderOps
+from engine.cpu.packed_weights import PackedLinear
 from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
 
@@ -38,27 +39,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-class PackedLinear(nn.Module):
-    """A Linear layer whose weight is a `PackedWeight`, which the feature-major path's
-    native GEMM reads (see `Decoder.pack_weights`). `forward`, the token-major path, which
-    the hosts that pack never take, unpacks the weight on every call."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = PackedWeight(linear.weight)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.unpacked(), self.bias)
-
-    def unpacked(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        linear.weight = nn.Parameter(self.weight.unpacked(), requires_grad=False)
-        linear.bias = self.bias
-        return linear
 
 
 class Attention(nn.Module):

@@ -8,12 +8,12 @@ import torch
 from engine.cpu.build import host_cpu_vendor
 from engine.cpu.decoder_ops import (
     DecoderOps,
-    PackedWeight,
     argmax_last_dim,
     load_gemm,
     native_gemm_token_limit,
 )
-from engine.model.decoder import Decoder, PackedLinear, RMSNorm
+from engine.cpu.packed_weights import PackedLinear, PackedWeight
+from engine.model.decoder import Decoder, RMSNorm
 from engine.model.loader import load_state_dict, read_spec
 from engine.model.rope import RotaryEmbedding
 from tests.conftest import tiny_model_dir

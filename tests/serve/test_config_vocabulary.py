@@ -82,3 +82,12 @@ def test_no_module_declares_a_second_default_for_an_engine_knob():
             continue
         found += [f"{rel}: {m.group(1)}" for m in declaration.finditer(path.read_text())]
     assert not found, found
+
+
+def test_the_configuration_page_is_generated_from_the_current_fields():
+    """docs/configuration.md is what `python -m serve_app.config_docs` writes now."""
+    from serve_app.config_docs import PAGE, render
+
+    assert PAGE.read_text() == render(), "run `python -m serve_app.config_docs`"
+    for name in engine_knobs():
+        assert f"| `{name}` |" in PAGE.read_text(), name

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import ServeCluster, app_args
+from tests.serve.test_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -258,6 +259,8 @@ def test_killing_the_controller_fails_no_request_and_control_resumes(serve_clust
         assert not burst.done
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         killed_at = time.monotonic()
+        # Engine metrics do not ride the controller: both replicas stay in /metrics.
+        assert total(scrape(base), "dynabatch:num_engine_replicas") == 2
         # Serve starts a new controller replica; it rebuilds its view from the next reports.
         wait_for(
             lambda: _controller_name("llm") not in (None, name), 60, "a new controller", period=0.5

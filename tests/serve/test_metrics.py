@@ -90,3 +90,32 @@ def test_engine_metrics_cover_every_replica_and_count_exactly(serve_cluster):
         assert [v for _, v in rows] == sorted(v for _, v in rows)
         count = total(after, "dynabatch:time_to_first_token_seconds_count", replica=replica)
         assert rows[-1] == (float("inf"), count)
+
+
+def test_engine_metrics_need_no_controller(serve_cluster):
+    """With controller.enabled false, /metrics still shows the engine replica, and its
+    counters move with the requests it serves."""
+    from ray import serve
+
+    from serve_app import build_app
+    from tests.serve.conftest import app_args
+
+    args = app_args(
+        serve_cluster.model,
+        controller={"enabled": False},
+        engine_replicas={"num_replicas": 1, "num_cpus": 0.25},
+    )
+    serve.run(build_app(args), name="solo", route_prefix="/solo")
+    try:
+        base = f"{serve_cluster.base_url}/solo"
+        deadline = time.monotonic() + 30
+        while total(scrape(base), "dynabatch:num_engine_replicas") != 1:
+            assert time.monotonic() < deadline, "the engine replica never showed in /metrics"
+            time.sleep(0.25)
+        body = {"model": "tiny", "prompt": "no controller", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        while total(scrape(base), "dynabatch:generation_tokens_total") != 4:
+            assert time.monotonic() < deadline, "engine counters did not move"
+            time.sleep(0.25)
+    finally:
+        serve.delete("solo")
