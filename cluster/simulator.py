@@ -33,7 +33,7 @@ from engine.runner.cost_model import CostModelRunner, CostParams, GpuSpec, Model
 def gc_paused() -> Iterator[None]:
     """Python's cyclic GC off for a simulation run. A run allocates millions of short-lived
     acyclic objects (refcounting frees them) next to a growing heap of records, and every
-    full collection walks that heap: an hour at 20 req/s ran 18% slower with GC on."""
+    full collection walks that heap."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts = parser.parse_args(argv)
     if not opts.via_proxy:
         # Serve's direct ingress: the ingress replica serves HTTP on its own port, one Ray hop
-        # (and ~1 ms of CPU per streamed token on this machine) fewer than through the proxy.
+        # (and its CPU per streamed token) fewer than through the proxy.
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     for kv in opts.serve_env:
         key, _, value = kv.partition("=")

@@ -221,7 +221,7 @@ class AppArgs(_Strict):
         ge=0.0,
         description="Least time between two streamed chunks of one request: everything produced "
         "in between goes in one chunk. 0 sends a chunk after every engine step. The first token "
-        "and the final chunk are never held back. Each chunk costs about 2 ms of CPU across two "
+        "and the final chunk are never held back. Each chunk costs CPU across two "
         "Ray hops, so raise this where steps are short or cores are scarce.",
     )
     delta_channels: bool = Field(

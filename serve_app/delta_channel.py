@@ -1,11 +1,11 @@
 """Delta channels: one stream per (ingress replica, engine replica) for every request's deltas.
 
-A Ray message costs 1-2 ms of CPU on each side here, and on a CPU node that CPU comes out of
-the engine's forward. Streaming each request's deltas on its own handle call sends one
-message per request per engine step; through a channel, an engine step's deltas for one
-ingress replica travel together as one message. The request's own handle call stays (Serve's
-routing, load accounting, cancellation on disconnect and 429s work as before), but after its
-first delta it only waits for the request to end.
+A Ray message costs milliseconds of CPU on each side (../shared/RAY_NOTES.md), and on a CPU
+node that CPU comes out of the engine's forward. Streaming each request's deltas on its own
+handle call sends one message per request per engine step; through a channel, an engine
+step's deltas for one ingress replica travel together as one message. The request's own
+handle call stays (Serve's routing, load accounting, cancellation on disconnect and 429s work
+as before), but after its first delta it only waits for the request to end.
 
 Engine side: `Outbox`, one per ingress replica's channel id, filled by that ingress's requests
 and drained by its subscription (`EngineServer.subscribe`). Ingress side: `DeltaChannels`

@@ -200,7 +200,7 @@ class EngineServer:
             ttft=ttft,
             itl=itl,
             metrics=self.metrics.snapshot(
-                self.engine.engine.scheduler.batch_size_histogram.snapshot()
+                self.engine.engine.scheduler.steps.batch_size_histogram.snapshot()
             ),
         )
 

@@ -49,7 +49,7 @@ class OpenAIIngress:
         engine: DeploymentHandle,
         args: dict[str, Any] | AppArgs,
         controller: DeploymentHandle | None = None,
-        engine_metrics: DeploymentHandle | None = None,
+        metrics_board: DeploymentHandle | None = None,
     ) -> None:
         self.args = AppArgs.model_validate(args)
         self.model_name = self.args.model_name
@@ -64,7 +64,7 @@ class OpenAIIngress:
         self.metrics = IngressMetrics(self.model_name)
         self.created = oai.now()
         self.controller = controller
-        self.engine_metrics = engine_metrics
+        self.metrics_board = metrics_board
         self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
 
     # ------------------------------------------------------------------------ endpoints
@@ -81,10 +81,10 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         body = self.metrics.render()
-        if self.engine_metrics is not None:
+        if self.metrics_board is not None:
             try:
                 timeout = self.args.controller.report_timeout_s
-                body += await asyncio.wait_for(self.engine_metrics.render.remote(), timeout)
+                body += await asyncio.wait_for(self.metrics_board.render.remote(), timeout)
             except Exception as exc:  # an engine replica restarting: the ingress's own only
                 logger.warning("engine metrics unavailable: %r", exc)
         return Response(body, media_type=self.metrics.content_type)

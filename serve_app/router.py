@@ -41,8 +41,9 @@ def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(
-        self, prefix_affinity: bool = True, prefix_tokens: int = 64, max_imbalance: int = 8
+        self, *, prefix_affinity: bool, prefix_tokens: int, max_imbalance: int
     ) -> None:
+        """Serve passes deploy.yaml's `routing:` (serve_app.config.RoutingArgs)."""
         self.prefix_affinity = prefix_affinity
         self.prefix_tokens = prefix_tokens
         self.max_imbalance = max_imbalance

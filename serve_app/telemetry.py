@@ -1,6 +1,6 @@
 """GET /metrics: the HTTP-level metrics of the ingress replica that answers, then the engine
-replicas' metrics as the cluster controller last heard them (the whole deployment, whichever
-ingress replica answers)."""
+replicas' metrics as the metrics board last heard them (the whole deployment, whichever
+ingress replica answers; serve_app/metrics_board.py)."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def _histogram(name: str, doc: str, rows) -> HistogramMetricFamily:
 
 
 class _EngineCollector:
-    """The deployment's engine replicas as the controller last heard them, with the metric
-    names vLLM uses (prefix `dynabatch:` where vLLM has `vllm:`)."""
+    """The deployment's engine replicas as the metrics board last heard them, with the
+    metric names vLLM uses (prefix `dynabatch:` where vLLM has `vllm:`)."""
 
     def __init__(self, model_name: str, latest) -> None:
         self.model_name, self.latest = model_name, latest
@@ -184,8 +184,8 @@ class _EngineCollector:
 
 
 def render_engine_metrics(model_name: str, latest) -> bytes:
-    """Prometheus text for the engine replicas (`latest`: the controller's (stats, decision)
-    pairs)."""
+    """Prometheus text for the engine replicas (`latest`: each replica's last (stats,
+    decision) pair)."""
     registry = CollectorRegistry()
     registry.register(_EngineCollector(model_name, latest))
     return generate_latest(registry)

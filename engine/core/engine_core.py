@@ -45,6 +45,6 @@ class EngineCore:
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
             return StepResult(self.scheduler.fail_step(sched_out), repr(exc))
-        self.scheduler.record_step_duration(self.clock.now() - started)
+        self.scheduler.steps.executed(self.clock.now() - started)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return StepResult(outputs, num_scheduled=len(sched_out.scheduled))

@@ -159,6 +159,25 @@ class KVCacheManager:
         self._host[rid] = host
         return copies
 
+    def admit_waiting(
+        self, request: Request, budget: int, swapped: bool
+    ) -> tuple[int, list[tuple[int, int]]] | None:
+        """Blocks for a waiting request's next chunk of at most `budget` tokens: its swapped
+        KV back from the host (with the (host, device) copies to make), or its cached prefix
+        plus new blocks (`num_computed_tokens` set to the cached length). Returns the chunk's
+        token count and the copies, or None (nothing changed) if the pool is too full."""
+        if swapped:
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            copies = self.swap_in(request, n)
+            return None if copies is None else (n, copies)
+        hit = self.match_prefix(request)  # nothing computed: new, or preempted and reset
+        num_cached = len(hit) * self.block_size
+        n = min(request.num_tokens - num_cached, budget)
+        if not self.admit(request, hit, n):
+            return None
+        request.num_computed_tokens = num_cached
+        return n, []
+
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Device blocks for a swapped request's KV plus `num_new_tokens`; returns the
         (host, device) copies to make, or None (nothing changed) if the pool is too full."""

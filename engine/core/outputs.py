@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
 
 
 @dataclass(slots=True)
@@ -24,6 +27,27 @@ class ScheduledRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def of(cls, request: Request, n: int, block_ids: list[int]) -> ScheduledRequest:
+        """The next `n` tokens of `request` (stop tokens banned while min_tokens is not
+        reached, when this step samples)."""
+        start = request.num_computed_tokens
+        sample = start + n == request.num_tokens
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if sample and request.num_output_tokens < params.min_tokens:
+            banned = tuple(sorted(request.stop_token_ids))
+        return cls(
+            request.request_id,
+            request.all_token_ids[start : start + n],
+            start,
+            block_ids,
+            sample,
+            params,
+            request.num_output_tokens,
+            banned,
+        )
 
 
 @dataclass
@@ -129,7 +153,7 @@ class SchedulerStats:
     last_step_num_seqs: int = 0
     last_step_decode_only: bool = False
     last_step_duration_s: float | None = None
-    # Running totals over decode-only steps (see Scheduler.record_step_duration).
+    # Running totals over decode-only steps (see engine.core.step_stats.StepStats).
     decode_steps_total: int = 0
     decode_step_seconds_total: float = 0.0
     decode_step_seqs_total: int = 0

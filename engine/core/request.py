@@ -75,6 +75,16 @@ class Request:
             stop_ids.update(eos_token_ids)
         self.stop_token_ids = frozenset(stop_ids)
 
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """How the request ends with `token` just appended; None while it goes on."""
+        params = self.sampling_params
+        n_out = self.num_output_tokens
+        if n_out >= params.min_tokens and token in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, "

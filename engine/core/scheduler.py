@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import SchedulerConfig, SchedulerLimits
 from engine.core.errors import InvalidParam
-from engine.core.histogram import CumulativeHistogram
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
     EngineCoreOutput,
@@ -19,38 +18,19 @@ from engine.core.outputs import (
     SchedulerStats,
 )
 from engine.core.request import Request, RequestStatus
-
-# Requests per step (Prometheus buckets of the iteration batch size histogram).
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# A request that came back from preemption is spared as a victim for this many steps
-# (otherwise, being the most recently admitted, it is the next one out: thrash).
-RESUME_GRACE_STEPS = 4
-
-
-def fcfs_key(r: Request) -> tuple:
-    return (r.arrival_time, r.seq)
-
-
-def priority_key(r: Request) -> tuple:
-    return (r.priority, r.arrival_time, r.seq)
-
-
-def sjf_key(r: Request) -> tuple:
-    return (r.num_prompt_tokens + r.sampling_params.max_tokens, r.arrival_time, r.seq)
-
-
-POLICY_KEYS = {"fcfs": fcfs_key, "priority": priority_key, "sjf": sjf_key}
+from engine.core.request_order import POLICY_KEYS, RESUME_GRACE_STEPS, aging_order, pick_victim
+from engine.core.scheduler_state import check_integrity, scheduler_stats
+from engine.core.step_stats import StepStats
 
 
 class Scheduler:
     """Continuous (or static) batching with one token budget per step.
 
-    Each step, running requests are served first in admission order, then waiting ones are
+    Each step, running requests are served first in policy order, then waiting ones are
     admitted while the token budget, `max_num_seqs` and free blocks allow. A request's
     `num_computed_tokens` catches up to its token count in chunks no bigger than the budget,
     so chunked prefill, decode and recompute after preemption are one code path. When blocks
-    run out, the most recently admitted request is preempted (its blocks freed, its progress
-    reset) and put back at the head of the waiting queue.
+    run out, the worst-ranked running request goes back to the head of the waiting queue.
     """
 
     def __init__(
@@ -68,19 +48,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_steps_total = 0
         self.num_finished_total: Counter[str] = Counter()  # by finish reason
-        self._last_step_num_seqs = 0
-        self._last_step_num_decodes = 0
-        self._last_step_decode_only = False
-        # Decode-only steps as running totals: a reader that keeps the previous totals gets
-        # the mean decode-step latency and batch over any period (the controller's window).
-        self.decode_steps_total = 0
-        self.decode_step_seconds_total = 0.0
-        self.decode_step_seqs_total = 0
-        self._last_step_duration_s: float | None = None
-        self.batch_size_histogram = CumulativeHistogram(BATCH_SIZE_BUCKETS)
-        # Policy order, best first: `running` is kept in it (the tail is preempted first) and
-        # `waiting` is sorted by it (with aging) before admission, except under fcfs where
-        # arrival order is kept by construction.
+        self.steps = StepStats()
+        # Policy order, best first: `running` is kept in it (the tail goes out first); `waiting`
+        # is sorted by it with aging before admission (under fcfs arrival order already is).
         self._key = POLICY_KEYS[config.scheduling_policy]
         self._num_added = 0
         self._swap_out: list[tuple[int, int]] = []
@@ -153,7 +123,7 @@ class Scheduler:
         num_decodes = 0
         kv = self.kv_cache
         allocate = kv.allocate_slots
-        schedule_one = self._schedule_one
+        schedule_one = ScheduledRequest.of
         running = self.running
         table_of = kv.block_tables.get
         block_size = kv.block_size
@@ -183,22 +153,15 @@ class Scheduler:
             self._static_admitted = 0
         # Admitting right after a preemption would only thrash the cache.
         if self.config.scheduling_policy != "fcfs" and len(self.waiting) > 1 and budget > 0:
-            self._order_waiting()
+            oldest = self.clock.now() - self.config.aging_s
+            self.waiting = aging_order(self.waiting, self._key, oldest)
         while not preempted and self.waiting and budget > 0 and self._may_admit():
             request = self.waiting[0]
-            if request.status == RequestStatus.SWAPPED:  # its KV comes back from the host
-                n = min(request.num_tokens - request.num_computed_tokens, budget)
-                copies = kv.swap_in(request, n)
-                if copies is None:
-                    break
-                swap_in += copies
-            else:  # nothing computed (new, or preempted and reset): try the prefix cache
-                hit = kv.match_prefix(request)
-                num_cached = len(hit) * kv.block_size
-                n = min(request.num_tokens - num_cached, budget)
-                if not kv.admit(request, hit, n):
-                    break
-                request.num_computed_tokens = num_cached
+            admitted = kv.admit_waiting(request, budget, request.status == RequestStatus.SWAPPED)
+            if admitted is None:
+                break
+            n, copies = admitted
+            swap_in += copies
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -207,17 +170,12 @@ class Scheduler:
                 request.resumed_at_step = self.num_steps_total
             insort(self.running, request, key=self._key)
             self._static_admitted += 1
-            scheduled.append(self._schedule_one(request, n, kv.block_ids(request.request_id)))
+            scheduled.append(ScheduledRequest.of(request, n, kv.block_ids(request.request_id)))
             budget -= n
 
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         self.num_steps_total += 1
-        self._last_step_num_seqs = len(scheduled)
-        if scheduled:
-            self.batch_size_histogram.observe(len(scheduled))
-        self._last_step_num_decodes = num_decodes
-        self._last_step_decode_only = bool(scheduled) and num_decodes == len(scheduled)
-        self._last_step_duration_s = None
+        self.steps.scheduled(len(scheduled), num_decodes)
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.limits.max_num_batched_tokens - budget,
@@ -267,15 +225,12 @@ class Scheduler:
             ):
                 emit(EngineCoreOutput(request.request_id, [token], None))
                 continue
-            status = self._stop_status(request, token)
+            status = request.stop_status(token, max_model_len)
             if status is not None:
                 self._end(request, status)
                 any_ended = True
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id, [token], status.finish_reason if status else None
-                )
-            )
+            reason = status.finish_reason if status else None
+            emit(EngineCoreOutput(request.request_id, [token], reason))
         if any_ended:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
@@ -289,60 +244,11 @@ class Scheduler:
         ]
 
     # ---------------------------------------------------------------------- inspection
-    def record_step_duration(self, seconds: float) -> None:
-        """The engine's measure of the step just executed (policies read it from stats)."""
-        self._last_step_duration_s = seconds
-        if self._last_step_decode_only:
-            self.decode_steps_total += 1
-            self.decode_step_seconds_total += seconds
-            self.decode_step_seqs_total += self._last_step_num_seqs
-
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_free_blocks=self.kv_cache.num_free_blocks,
-            num_used_blocks=self.kv_cache.num_used_blocks,
-            num_total_blocks=self.kv_cache.num_blocks,
-            kv_usage=self.kv_cache.usage(),
-            max_num_seqs=self.limits.max_num_seqs,
-            max_num_batched_tokens=self.limits.max_num_batched_tokens,
-            num_preemptions_total=self.num_preemptions_total,
-            num_steps_total=self.num_steps_total,
-            num_finished_total=dict(self.num_finished_total),
-            num_decoding=self._last_step_num_decodes,
-            last_step_num_seqs=self._last_step_num_seqs,
-            last_step_decode_only=self._last_step_decode_only,
-            last_step_duration_s=self._last_step_duration_s,
-            decode_steps_total=self.decode_steps_total,
-            decode_step_seconds_total=self.decode_step_seconds_total,
-            decode_step_seqs_total=self.decode_step_seqs_total,
-            prefix_cache_queries=self.kv_cache.prefix_queries,
-            prefix_cache_hits=self.kv_cache.prefix_hits,
-            num_swapped=len(self.kv_cache.swapped_ids()),
-            num_swap_outs_total=self.num_swap_outs_total,
-            num_free_host_blocks=self.kv_cache.num_free_host_blocks,
-        )
+        return scheduler_stats(self)
 
     def check_integrity(self) -> None:
-        self.kv_cache.check_integrity()
-        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        assert live == set(self.requests), "request index out of step with the queues"
-        assert len(live) == len(self.running) + len(self.waiting), "a request is queued twice"
-        for r in self.running:
-            assert r.status == RequestStatus.RUNNING, r
-        for r in self.waiting:
-            assert r.status in (
-                RequestStatus.WAITING,
-                RequestStatus.PREEMPTED,
-                RequestStatus.SWAPPED,
-            ), r
-            if r.status == RequestStatus.PREEMPTED:
-                assert r.num_computed_tokens == 0, r
-        swapped = {r.request_id for r in self.waiting if r.status == RequestStatus.SWAPPED}
-        assert self.kv_cache.swapped_ids() == swapped, "host tables out of step with requests"
-        # NOTE: only running requests hold blocks; waiting and preempted ones hold none.
-        assert self.kv_cache.request_ids() == {r.request_id for r in self.running}, "orphan table"
+        check_integrity(self)
 
     # ------------------------------------------------------------------------- helpers
     def _may_admit(self) -> bool:
@@ -366,29 +272,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self, position: int) -> Request:
-        """The worst-ranked running request not yet scheduled this step (after `position`),
-        sparing those that just came back from a preemption while another will do; the
-        request at `position` itself when none is left."""
-        running = self.running
-        recent = self.num_steps_total - RESUME_GRACE_STEPS
-        for j in range(len(running) - 1, position, -1):
-            if running[j].resumed_at_step < recent:
-                return running.pop(j)
-        return running.pop() if len(running) - 1 > position else running.pop(position)
-
-    def _order_waiting(self) -> None:
-        """Policy order with aging: whoever has waited aging_s or more goes first (oldest
-        first), then the rest by the policy's key."""
-        oldest = self.clock.now() - self.config.aging_s
-        key = self._key
-        self.waiting = deque(
-            sorted(
-                self.waiting,
-                key=lambda r: (
-                    (0, r.arrival_time, r.seq) if r.arrival_time <= oldest else (1, *key(r))
-                ),
-            )
-        )
+        return pick_victim(self.running, position, self.num_steps_total - RESUME_GRACE_STEPS)
 
     def _preempt(self, request: Request) -> None:
         request.num_preemptions += 1
@@ -405,33 +289,6 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-
-    def _schedule_one(self, request: Request, n: int, block_ids: list[int]) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        sample = start + n == request.num_tokens
-        params = request.sampling_params
-        banned: tuple[int, ...] = ()
-        if sample and request.num_output_tokens < params.min_tokens:
-            banned = tuple(sorted(request.stop_token_ids))
-        return ScheduledRequest(
-            request.request_id,
-            request.all_token_ids[start : start + n],
-            start,
-            block_ids,
-            sample,
-            params,
-            request.num_output_tokens,
-            banned,
-        )
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        n_out = request.num_output_tokens
-        if n_out >= params.min_tokens and token in request.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -1,9 +1,8 @@
 """The decoder's elementwise steps: fused native kernels on CPU float32, torch elsewhere.
 
 On CPU a prefill chunk's activations are tens of MB and each torch op is one more pass over
-them; `csrc/fused_ops.c` does residual add + RMSNorm, SiLU * up and RoPE in one pass each
-(10-15% of a prefill-heavy step, 2-6% of a decode step, measured in the README). Other
-devices and dtypes keep the torch path. The `_fm` twins work on feature-major activations
+them; `csrc/fused_ops.c` does residual add + RMSNorm, SiLU * up and RoPE in one pass each.
+Other devices and dtypes keep the torch path. The `_fm` twins work on feature-major activations
 ([features, tokens], the decoder's layout for decode steps), and `argmax_last_dim` does greedy
 sampling from the logits that layout returns.
 """
@@ -24,17 +23,15 @@ from engine.model.rope import RotaryEmbedding, apply_rope
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_ops.c"
 _GEMM_SOURCE = Path(__file__).with_name("csrc") / "gemm_fm.c"
-# Up to this many tokens the native GEMM beat MKL on the AVX2 host (1.1-2.5x from 4 to 128
-# tokens, even at ~160, 5-10% behind from 200 on: README).
+# Up to this many tokens the native GEMM's AVX2 build beats MKL (docs/cpu-kernels.md).
 GEMM_FM_MAX_TOKENS_AVX2 = 160
 
 
 def native_gemm_token_limit(isa: int, vendor: str) -> int:
     """Steps of at most this many tokens use the native GEMM built for `isa` (2: AVX2 + FMA,
     512: AVX-512, 0: none) on a CPU of `vendor`; 0: never. On AMD CPUs MKL keeps to its AVX2
-    kernels, and the AVX-512 build ran 2-3.8x faster at every size (README); on other
-    AVX-512 CPUs MKL has 512-bit kernels and ours was never measured against them, so MKL
-    keeps those."""
+    kernels, and the AVX-512 build beats it at every size; on other AVX-512 CPUs MKL has
+    512-bit kernels that ours was never compared with, so MKL keeps those."""
     if isa == 2:
         return GEMM_FM_MAX_TOKENS_AVX2
     if isa == 512 and vendor == "AuthenticAMD":
@@ -252,7 +249,7 @@ class DecoderOps:
 def argmax_last_dim(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` for [rows, vocab] logits; the transposed view that the
     feature-major decoder returns (a contiguous [vocab, rows] underneath) goes to a native
-    kernel, since torch reduces across columns on one thread (5-7 ms at 200 rows)."""
+    kernel, since torch reduces across columns on one thread."""
     rows, vocab = logits.shape
     columns = logits.t()
     if (

@@ -11,8 +11,8 @@ from torch import nn
 class PackedWeight:
     """A [N, K] weight in the native GEMM's W16 layout: blocks of 16 rows, each stored
     [K][16] (zero rows past N), so the 16 rows' values at one k are one vector. A decode
-    step's GEMV then streams each block once with no register transposes (those held the
-    row-major GEMV near 50 GB/s a core), and every tile reads W as one sequential stream.
+    step's GEMV then streams each block once with no register transposes (which bound the
+    row-major GEMV), and every tile reads W as one sequential stream.
     The products are bit-identical to the row-major ones."""
 
     BLOCK_ROWS = 16

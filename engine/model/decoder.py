@@ -18,8 +18,8 @@ from engine.cpu.packed_weights import PackedLinear
 from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
 
-# Feature-major GEMMs win 15-40% at decode batch sizes; at a 2048-token prefill step they
-# measured the same as token-major or a few percent slower, with the transposes on top.
+# Feature-major GEMMs win at decode batch sizes and not at prefill sizes, where the layout
+# transposes cost more than they save (docs/cpu-kernels.md).
 FEATURE_MAJOR_MAX_TOKENS = 512
 
 
@@ -141,7 +141,7 @@ class Decoder(nn.Module):
         self.ops = DecoderOps(native_ops)
         # Where the native ops apply (CPU float32), steps of at most this many tokens run
         # feature-major (see `_forward_feature_major`); 0 turns that off. As far as the
-        # native GEMM goes (all sizes with its AVX-512 build): it is 2x MKL there.
+        # native GEMM goes (all sizes with its AVX-512 build), since it beats MKL there.
         self.feature_major_max_tokens = max(FEATURE_MAJOR_MAX_TOKENS, self.ops.gemm_fm_max_tokens)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
@@ -195,9 +195,8 @@ class Decoder(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """`forward` with activations stored [features, tokens] (CPU float32 with the native
-        ops). Every GEMM is then `weight @ activations`, which MKL runs 15-40% faster than
-        `activations @ weight.T` at the 16-256 rows of a decode step (and the vocab
-        projection 15-30%): the README's benchmark section has the measurements."""
+        ops). Every GEMM is then `weight @ activations`, which MKL runs faster than
+        `activations @ weight.T` at a decode step's few rows (docs/cpu-kernels.md)."""
         ops = self.ops
         h = ops.transposed(h)
         rotate = ops.rotary(self.rope, positions, h.dtype)
@@ -231,9 +230,9 @@ class Decoder(nn.Module):
 
     def pack_weights(self) -> None:
         """Move the GEMM weights to the native GEMM's W16 layout where `ops.packs_weights`
-        and the model is CPU float32 (call after loading and moving the model): decode
-        steps of 1-16 requests 1.3-1.5x faster, larger ones 1.03-1.13x, prefill the same
-        (README). The row-major copies are dropped. Elsewhere a no-op."""
+        and the model is CPU float32 (call after loading and moving the model), so small decode
+        steps stream each weight block once. The row-major copies are dropped. Elsewhere a
+        no-op."""
         if not (self.ops.packs_weights and self.ops.applies(self.norm.weight)):
             return
         for name in self._gemm_weight_names():

@@ -7,10 +7,8 @@ takes), and autoscaling between 1 and 2 replicas with short delays.
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -18,6 +16,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import ServeCluster, app_args
+from tests.serve.load import Load, wait_for
 from tests.serve.test_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(400)
@@ -82,78 +81,6 @@ def engine_replica_states(app: str) -> dict[str, int]:
 
 def running_engines(app: str) -> int:
     return engine_replica_states(app).get("RUNNING", 0)
-
-
-def wait_for(predicate, timeout: float, what: str, period: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(period)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-async def _complete(client: httpx.AsyncClient, base: str, i: int, max_tokens: int) -> int:
-    r = await client.post(
-        f"{base}/v1/completions",
-        json={
-            "model": "tiny",
-            "prompt": f"request {i} says",
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-        timeout=300,
-    )
-    return r.status_code
-
-
-class Load:
-    """Requests from a background thread: `burst` at once (again and again until stopped with
-    `waves`), or a steady trickle until stopped."""
-
-    def __init__(
-        self,
-        base: str,
-        burst: int = 0,
-        trickle: bool = False,
-        max_tokens: int = 64,
-        waves: bool = False,
-    ):
-        self.base, self.burst, self.trickle, self.max_tokens = base, burst, trickle, max_tokens
-        self.waves = waves
-        self.codes: list[int] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(timeout=300)
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient() as client:
-            tasks = [
-                asyncio.create_task(_complete(client, self.base, i, self.max_tokens))
-                for i in range(self.burst)
-            ]
-            i = self.burst
-            while self.trickle and not self.stop.is_set():
-                self.codes.append(await _complete(client, self.base, i, 8))
-                i += 1
-                await asyncio.sleep(0.1)
-            self.codes.extend(await asyncio.gather(*tasks))
-            while self.waves and not self.stop.is_set():
-                wave = [_complete(client, self.base, i, self.max_tokens) for i in range(self.burst)]
-                self.codes.extend(await asyncio.gather(*wave))
-
-    @property
-    def done(self) -> bool:
-        return not self.thread.is_alive()
 
 
 def test_controller_hears_every_replica_and_engines_apply_its_limits(serve_cluster, scaling_app):

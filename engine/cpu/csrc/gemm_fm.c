@@ -2,9 +2,8 @@
  * row-major as the checkpoint stores them, activations X row-major [features, tokens], B =
  * tokens, from 1 to a few thousand).
  *
- * MKL runs these skinny products at 15-70% of the machine's GEMM peak on an AVX2 host, and
- * on AMD hosts with AVX-512 it keeps to its AVX2 kernels, half of what the cores can do
- * (README). Here X is packed once per call into panels of NR columns, [B/NR][K][NR],
+ * MKL runs these skinny products well below the machine's GEMM peak, and on AMD hosts with
+ * AVX-512 it keeps to its AVX2 kernels (docs/cpu-kernels.md). Here X is packed once per call into panels of NR columns, [B/NR][K][NR],
  * zero-padded, and each thread runs an MR x NR register tile: each W element is broadcast
  * once per panel and each X panel row is one or two aligned vector loads. Threads split W's
  * rows; X is
@@ -13,7 +12,7 @@
  * numbers do not depend on what else is in the batch (and the AVX2 and AVX-512 builds give
  * the same numbers: one FMA per k in each lane).
  *
- * AVX2 + FMA: the shared 6 x 16 tile (engine/csrc/tile_6x16.h). AVX-512: an 8 x 32 tile
+ * AVX2 + FMA: the shared 6 x 16 tile (tile_6x16.h). AVX-512: an 8 x 32 tile
  * from 17 tokens (16 zmm accumulators: two FMA pipes of four cycles' latency need 8 chains),
  * a 16 x 16 tile from 9 to 16, and up to 8 a GEMV that transposes 16 x 16 pieces of W in
  * registers; masked loads and stores for a panel's last columns, weight rows prefetched.
@@ -27,9 +26,8 @@
 #include <omp.h>
 
 /* Threads take grains of the work (W's rows x X's chunks, see gemm_run) from a shared
- * counter. Measured on the 2-core Zen 5 (shared with other tenants): 16 grains per thread
- * 3-6% faster than an even split from 256 tokens on, where one call runs for milliseconds;
- * 4 the same as an even split below that. */
+ * counter: many grains per thread where one call runs for milliseconds, so a thread slowed
+ * by a noisy neighbour takes fewer; few below that. */
 #ifndef GRAINS_PER_THREAD_LARGE
 #define GRAINS_PER_THREAD_LARGE 16
 #endif
@@ -54,12 +52,10 @@ struct gemm_variant {
 #define X_SLICE_BYTES (512 * 1024)
 /* At most this many tokens take the transposing GEMV below. */
 #define GEMV_MAX_TOKENS 8
-/* X's panels per chunk: 128 columns measured best for 256-2048 tokens (64-256 the same or
- * slower). */
+/* X's panels per chunk, in columns (the best of the sizes tried, docs/cpu-kernels.md). */
 #define MAX_CHUNK_COLUMNS 128
 /* Each weight row is fetched this many floats (two cache lines) ahead: a tile streams 8-16
- * rows at once, more than the hardware prefetcher follows. 1.4-1.5x at 1-32 tokens with
- * the weights coming from DRAM, ~5% at 64-128, even from 160 (README). */
+ * rows at once, more than the hardware prefetcher follows. */
 #define W_PREFETCH 32
 #ifndef W16_PF
 #define W16_PF 128
@@ -83,7 +79,7 @@ static inline __mmask16 lane_mask(int64_t n)
 /* Rows 0..R-1 of w over kc values of k against one packed panel slice of V * 16 columns; n
  * valid columns; add: accumulate onto out (a later slice of k). PF: row-major weights are
  * prefetched PF floats ahead in each row (0: not); W16 weights, one stream, W16_PF cache
- * lines ahead when PF is nonzero (measured at 32 tokens: 16 lines 0.68x, 128 1.04x). */
+ * lines ahead when PF is nonzero. */
 #define DEFINE_TILE(NAME, R, V, PF, W16)                                                       \
     static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
                      const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
@@ -245,8 +241,8 @@ static void gemv_16(const float *restrict w, int64_t ldw, int64_t kc, const floa
 }
 
 /* The GEMV on W16 weights, for NT (1, 2, 4 or 8) columns packed NT wide: a block's 16
- * rows at one k are one vector, so no register transposes (those held the row-major GEMV
- * near 50 GB/s a core, under what DRAM delivers), and X's panel is only as wide as the
+ * rows at one k are one vector, so no register transposes (those bound the row-major GEMV
+ * under what DRAM delivers), and X's panel is only as wide as the
  * batch (a 16-wide one cost a cache line of X per k). The same FMAs in the same order as
  * gemv_16 and the tiles. `_row` does one row (a tail of W's rows), columns as lanes. */
 #define DEFINE_GEMV_W16(NAME, NT)                                                              \
@@ -308,7 +304,7 @@ static struct gemm_variant pick_variant(int64_t B, int w16)
 /* The columns past the last full wide panel, r = B % 32 of them (all B from 17 to 31), go
  * to narrower tail panels when r <= 24: the GEMV's for r <= 8 (packed as wide as r rounded
  * up to a power of two), the narrow tile's for 9-16, both for 17-24 (16 + the rest); a wide
- * panel costs what 32 columns cost, so 65 tokens took as long as 96 (README). Writes the
+ * panel costs what 32 columns cost, padding included. Writes the
  * tails' variants and widths; returns how many (0: the wide panels take every column). */
 static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t cols[2])
 {
@@ -328,8 +324,7 @@ static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t c
 #define HAVE_W16 1
 
 /* dst [C, R] = src [R, C] transposed, 16 x 16 pieces through registers: every load and store
- * is a run of 16 floats (torch's copy of a transposed view moves 1792 x 2048 floats, a
- * prefill step's q/k/v, at 10-13 GB/s here; this at 55, and 85-155 on smaller ones). Threads
+ * is a run of 16 floats (torch's copy of a transposed view is strided on one side). Threads
  * split src's 16-row strips. */
 static void transpose_strips(const float *restrict src, int64_t R, int64_t C,
                              float *restrict dst, int num_threads)
@@ -556,8 +551,7 @@ static int gemm_run(const float *w, int w16, const float *x, float *out, int64_t
          * noisy neighbour takes fewer grains instead of holding the others at the end. A
          * grain is a range of W's rows times a range of X's chunks; each grain reads its
          * part of X once and its rows of W once per chunk, so grains split X's chunks first
-         * (every row part reads all of X: 16 row parts made a 2048-token prefill read X 32
-         * times, 23% slower on the down projection) and W's rows only as far as needed. */
+         * (every row part reads all of X once more) and W's rows only as far as needed. */
         const int64_t nt = omp_get_num_threads();
         int64_t grains = nt * (B >= GRAINS_LARGE_FROM_TOKENS ? GRAINS_PER_THREAD_LARGE
                                                              : GRAINS_PER_THREAD_SMALL);

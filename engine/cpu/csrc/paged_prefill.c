@@ -11,11 +11,10 @@
  * per kv head, transposed as [key block][D][KB], before the tasks run; a task packs its
  * queries (scaled), S = Q K^T runs a register tile over the packed keys, then an online
  * softmax per row over steps of 32 keys and O += P V with the same tile shape (O rescaled
- * to a row's new max as it is loaded for that product). AVX2: the native GEMM's 6 x 16 tile (engine/csrc/tile_6x16.h), KB 16; torch's
- * SDPA measured 45-65 GFLOP/s on these shapes on a 2-core AVX2 host, this kernel about 100.
- * AVX-512: an 8 x 32 tile (16 zmm accumulators), KB 32; 1.4-1.65x the AVX2 kernel on the
- * 2-core Zen 5 (257 vs 157 GFLOP/s on 512-token prompts). Both do the same operations in
- * the same order for every output (built without reassociation, engine/attention/native.py),
+ * to a row's new max as it is loaded for that product). AVX2: the native GEMM's 6 x 16 tile
+ * (tile_6x16.h), KB 16. AVX-512: an 8 x 32 tile (16 zmm accumulators), KB 32. Both do the
+ * same operations in the same order for every output (built without reassociation,
+ * engine/cpu/attention_kernels.py),
  * so they give the same numbers (tested). Tasks are spread over threads with OpenMP.
  * `paged_prefill_available()` says whether this build has the kernel (AVX2 + FMA; the
  * caller also needs head_dim a multiple of 16).
@@ -422,9 +421,8 @@ int paged_prefill_attention(const float *q, int64_t q_stride, const float *k_cac
     const int G = H / Hkv;
     const int64_t token_stride = (int64_t)Hkv * D;
     int64_t tasks = 0;
-    /* Each chunk's keys are packed once per kv head, before any task reads them (a task
-     * used to pack all the keys it sees itself: every 64-position task of a request
-     * repacked the prefix, ~7% of the kernel on 512-token prompts). */
+    /* Each chunk's keys are packed once per kv head, before any task reads them, so tasks
+     * of one request do not each repack the prefix they share. */
     int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
     if (packed_at == NULL) return -1;
     packed_at[0] = 0;

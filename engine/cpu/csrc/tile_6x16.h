@@ -5,7 +5,7 @@
  * aligned loads: 12 FMAs against 8 loads per k. The rows are written out by hand: twelve
  * named accumulators are what keeps them in registers.
  *
- * Included by each kernel's C file (engine.native_build hashes included headers too).
+ * Included by each kernel's C file (engine.cpu.build hashes included headers too).
  */
 #ifndef DYNABATCH_TILE_6X16_H
 #define DYNABATCH_TILE_6X16_H

@@ -1,0 +1,65 @@
+"""Reading a scheduler from outside: its stats snapshot and its integrity check (pure
+Python)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.outputs import SchedulerStats
+from engine.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import Scheduler
+
+
+def scheduler_stats(s: Scheduler) -> SchedulerStats:
+    """A plain snapshot of the scheduler and its KV cache (stats, reports, /metrics)."""
+    steps = s.steps
+    return SchedulerStats(
+        num_running=len(s.running),
+        num_waiting=len(s.waiting),
+        num_free_blocks=s.kv_cache.num_free_blocks,
+        num_used_blocks=s.kv_cache.num_used_blocks,
+        num_total_blocks=s.kv_cache.num_blocks,
+        kv_usage=s.kv_cache.usage(),
+        max_num_seqs=s.limits.max_num_seqs,
+        max_num_batched_tokens=s.limits.max_num_batched_tokens,
+        num_preemptions_total=s.num_preemptions_total,
+        num_steps_total=s.num_steps_total,
+        num_finished_total=dict(s.num_finished_total),
+        num_decoding=steps.last_num_decodes,
+        last_step_num_seqs=steps.last_num_seqs,
+        last_step_decode_only=steps.last_decode_only,
+        last_step_duration_s=steps.last_duration_s,
+        decode_steps_total=steps.decode_steps_total,
+        decode_step_seconds_total=steps.decode_step_seconds_total,
+        decode_step_seqs_total=steps.decode_step_seqs_total,
+        prefix_cache_queries=s.kv_cache.prefix_queries,
+        prefix_cache_hits=s.kv_cache.prefix_hits,
+        num_swapped=len(s.kv_cache.swapped_ids()),
+        num_swap_outs_total=s.num_swap_outs_total,
+        num_free_host_blocks=s.kv_cache.num_free_host_blocks,
+    )
+
+
+def check_integrity(s: Scheduler) -> None:
+    """Raise AssertionError if the queues, the request index and the KV tables disagree
+    (run when the engine is idle and after every test)."""
+    s.kv_cache.check_integrity()
+    live = {r.request_id for r in s.running} | {r.request_id for r in s.waiting}
+    assert live == set(s.requests), "request index out of step with the queues"
+    assert len(live) == len(s.running) + len(s.waiting), "a request is queued twice"
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING, r
+    for r in s.waiting:
+        assert r.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+            RequestStatus.SWAPPED,
+        ), r
+        if r.status == RequestStatus.PREEMPTED:
+            assert r.num_computed_tokens == 0, r
+    swapped = {r.request_id for r in s.waiting if r.status == RequestStatus.SWAPPED}
+    assert s.kv_cache.swapped_ids() == swapped, "host tables out of step with requests"
+    # NOTE: only running requests hold blocks; waiting and preempted ones hold none.
+    assert s.kv_cache.request_ids() == {r.request_id for r in s.running}, "orphan table"
