@@ -117,14 +117,7 @@ class SimReplica:
         c = self.config = config
         self.clock = VirtualClock(start_s)
         self.runner = CostModelRunner(
-            c.model,
-            c.gpu,
-            self.clock,
-            c.cost,
-            num_blocks=c.cache.num_blocks,
-            block_size=c.cache.block_size,
-            max_model_len=c.scheduler.max_model_len,
-            memory_utilization=c.cache.gpu_memory_fraction,
+            c.model, c.gpu, self.clock, c.cost, c.cache, c.scheduler.max_model_len
         )
         kv = KVCacheManager(
             self.runner.num_kv_blocks(), c.cache.block_size, c.cache.enable_prefix_caching

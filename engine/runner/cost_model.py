@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.core.clock import VirtualClock
+from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 GiB = 1 << 30
@@ -193,10 +194,10 @@ def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: Cost
 
 
 def kv_blocks_for(
-    model: ModelSpec, gpu: GpuSpec, block_size: int, memory_utilization: float = 0.9
+    model: ModelSpec, gpu: GpuSpec, block_size: int, gpu_memory_fraction: float
 ) -> int:
-    """Blocks that fit in `memory_utilization` of the GPUs' memory after the weights."""
-    free = gpu.mem_bytes * model.tp * memory_utilization - model.weight_bytes
+    """Blocks that fit in `gpu_memory_fraction` of the GPUs' memory after the weights."""
+    free = gpu.mem_bytes * model.tp * gpu_memory_fraction - model.weight_bytes
     if free <= 0:
         raise ValueError(
             f"{model.name} ({model.weight_bytes / GiB:.1f} GiB) does not fit "
@@ -215,15 +216,18 @@ class CostModelRunner:
         gpu: GpuSpec,
         clock: VirtualClock,
         params: CostParams | None = None,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_model_len: int = 4096,
-        memory_utilization: float = 0.9,
+        cache: CacheConfig | None = None,
+        max_model_len: int = SchedulerConfig.max_model_len,
         sampled_token_id: int = 1,
     ) -> None:
+        """The KV cache holds `cache.num_blocks`, else what `cache.gpu_memory_fraction` of the
+        simulated GPUs' memory holds after the weights (a CPU byte budget does not apply)."""
         self.model, self.gpu, self.clock = model, gpu, clock
         self.params = params or CostParams()
-        self._num_blocks = num_blocks or kv_blocks_for(model, gpu, block_size, memory_utilization)
+        cache = cache or CacheConfig()
+        self._num_blocks = cache.num_blocks or kv_blocks_for(
+            model, gpu, cache.block_size, cache.gpu_memory_fraction
+        )
         self._max_model_len = max_model_len
         self.sampled_token_id = sampled_token_id
         self.busy_seconds = 0.0

@@ -121,8 +121,7 @@ def test_offline_trace_same_decisions_under_cost_model_and_torch(tiny_model):
         spec,
         GPUS["A100-80GB"],
         VirtualClock(),
-        num_blocks=torch_runner.num_kv_blocks(),
-        block_size=4,
+        cache=CacheConfig(block_size=4, num_blocks=torch_runner.num_kv_blocks()),
         max_model_len=torch_runner.max_model_len(),
     )
     real, real_preempt = run(torch_runner)
