@@ -28,6 +28,7 @@ def build_engine(
     enable_prefix_caching: bool = True,
     num_host_blocks: int | None = None,
     device: str = "cpu",
+    attention_backend: str = "auto",
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
@@ -38,6 +39,7 @@ def build_engine(
         EngineConfig(
             model=model,
             device=device,
+            attention_backend=attention_backend,
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,

@@ -9,7 +9,7 @@ docs/configuration.md (generated from the descriptions by `python -m serve_app.c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from engine.core.errors import InvalidParam
 
@@ -17,7 +17,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "sjf"]
 BatchingMode = Literal["continuous", "static"]
 PreemptionMode = Literal["recompute", "swap"]
 Dtype = Literal["float32", "float16", "bfloat16"]
-AttentionBackendName = Literal["auto", "cpu", "torch"]
+AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
 
 
 def knob(default: Any, doc: str) -> Any:
@@ -144,7 +144,8 @@ class EngineConfig:
     attention_backend: AttentionBackendName = knob(
         "auto",
         "Paged attention kernels: cpu (native, CPU only), torch (the reference, any device), "
-        "auto (cpu on CPU float32 where the kernels build, else torch; the choice is logged).",
+        "triton (our paged FlashAttention-style kernel, CUDA), auto (cpu on CPU float32 where "
+        "the kernels build, else torch; the choice is logged).",
     )
     seed: int = knob(0, "Seed of the engine's default sampling generator.")
     num_threads: int | None = knob(
@@ -161,9 +162,9 @@ class EngineConfig:
             self.dtype,
         )
         _check(
-            self.attention_backend in ("auto", "cpu", "torch"),
+            self.attention_backend in get_args(AttentionBackendName),
             "attention_backend",
-            "auto, cpu or torch",
+            " or ".join(get_args(AttentionBackendName)),
             self.attention_backend,
         )
         _check(

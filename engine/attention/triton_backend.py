@@ -1,0 +1,70 @@
+"""The `triton` attention backend: our FlashAttention-style paged kernel, one launch per
+layer for a whole mixed step (engine/attention/triton_kernels.py). CUDA devices; CPU tensors
+only under Triton's interpreter (`TRITON_INTERPRET=1`, for tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, BatchLayout
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # [B, max_blocks]
+    query_start_loc: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B]
+    max_query_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here: triton is needed only by whoever picks this backend.
+        from engine.attention import triton_kernels
+
+        self._kernels = triton_kernels
+
+    def prepare(self, layout: BatchLayout) -> TritonAttentionMetadata:
+        device = layout.block_table.device
+        starts = layout.query_start_loc
+        max_query_len = max(b - a for a, b in zip(starts, starts[1:], strict=False))
+        return TritonAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            block_table=layout.block_table.contiguous(),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int64, device=device),
+            max_query_len=max_query_len,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        m = metadata
+        self._kernels.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            m.block_table,
+            m.query_start_loc,
+            m.seq_lens,
+            m.max_query_len,
+            scale,
+        )
+        return out
