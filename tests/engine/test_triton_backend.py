@@ -67,3 +67,22 @@ def test_triton_needs_cuda_outside_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("triton", "cpu", "float32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_backend_in_half_precision_is_within_its_rounding(dtype):
+    """float16 / bfloat16 caches and queries: the kernel accumulates in float32, so it is as
+    close to the float32 result as rounding the inputs and the output allows."""
+    layout, q, k, v, k_cache, v_cache, contexts = make_case(
+        5, 8, 2, 64, 16, [(9, 1), (40, 1), (0, 33), (20, 7)]
+    )
+    half = [t.to(dtype) for t in (q, k, v, k_cache, v_cache)]
+    backend = TritonAttentionBackend()
+    scale = 64**-0.5
+    out = backend.forward(*half, backend.prepare(layout), scale)
+    assert out.dtype == dtype
+    reference = TritonAttentionBackend().forward(
+        *(t.to(dtype).float() for t in (q, k, v, k_cache, v_cache)), backend.prepare(layout), scale
+    )
+    tol = 1e-2 if dtype == torch.float16 else 4e-2
+    torch.testing.assert_close(out.float(), reference, atol=tol, rtol=tol)
