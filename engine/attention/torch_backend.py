@@ -90,8 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.prefill(q, k, v, k_cache, v_cache, metadata, scale, out)
         return out
 
-    @staticmethod
     def decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -118,8 +118,8 @@ class TorchAttentionBackend(AttentionBackend):
         )
         out[:nd] = od.squeeze(2)
 
-    @staticmethod
     def prefill(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import BatchLayout, write_kv
+from engine.attention.base import BatchLayout
 from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from engine.cpu.attention_kernels import (
     PrefillChunks,
@@ -56,33 +56,41 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
         return CpuAttentionMetadata(**vars(base), native_prefills=native)
 
-    def forward(
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        m: CpuAttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if self._decode_lib is None or not native_decode_supported(q, k_cache):
+            super().decode(q, k_cache, v_cache, m, scale, out)
+            return
+        nd = m.num_decodes
+        paged_decode_attention(
+            self._decode_lib,
+            q[:nd],
+            k_cache,
+            v_cache,
+            m.decode_block_table,
+            m.decode_seq_lens,
+            scale,
+            out=out[:nd],
+        )
+
+    def prefill(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        metadata: CpuAttentionMetadata,
+        m: CpuAttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
-        m = metadata
-        write_kv(k, v, k_cache, v_cache, m.slot_mapping)
-        out = torch.empty_like(q)
-        nd = m.num_decodes
-        if nd and self._decode_lib is not None and native_decode_supported(q, k_cache):
-            paged_decode_attention(
-                self._decode_lib,
-                q[:nd],
-                k_cache,
-                v_cache,
-                m.decode_block_table,
-                m.decode_seq_lens,
-                scale,
-                out=out[:nd],
-            )
-        elif nd:
-            self.decode(q, k_cache, v_cache, m, scale, out)
+        out: torch.Tensor,
+    ) -> None:
         if (
             m.native_prefills is not None
             and native_prefill_supported(q, k_cache)
@@ -90,6 +98,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 self._prefill_lib, q, k_cache, v_cache, m.native_prefills, out, scale
             )
         ):
-            return out
-        self.prefill(q, k, v, k_cache, v_cache, m, scale, out)
-        return out
+            return
+        super().prefill(q, k, v, k_cache, v_cache, m, scale, out)
