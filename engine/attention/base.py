@@ -23,6 +23,9 @@ class BatchLayout:
     block_table: torch.Tensor  # [B, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token
     block_size: int
+    # Each query sees only the keys of the last `sliding_window` positions, its own included
+    # (Mistral's convention); None: the whole context.
+    sliding_window: int | None = None
 
 
 class AttentionBackend(ABC):

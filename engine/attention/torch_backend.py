@@ -33,6 +33,7 @@ class TorchAttentionMetadata:
     # (the native kernel reads seq_lens), at most once per step.
     decode_mask: torch.Tensor | None
     prefills: list[_Prefill]
+    sliding_window: int | None = None
 
 
 # cuDNN's SDPA builds an execution plan per new shape, and a serving batch has a new shape
@@ -71,7 +72,9 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             nb = -(-seq_len // bs)
             prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb]))
-        return TorchAttentionMetadata(layout.slot_mapping, nd, dbt, seq_lens, None, prefills)
+        return TorchAttentionMetadata(
+            layout.slot_mapping, nd, dbt, seq_lens, None, prefills, layout.sliding_window
+        )
 
     def forward(
         self,
@@ -104,7 +107,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         if m.decode_mask is None:
             keys = torch.arange(m.decode_block_table.shape[1] * k_cache.shape[1], device=q.device)
-            m.decode_mask = (keys[None, :] < m.decode_seq_lens[:, None]).view(nd, 1, 1, -1)
+            mask = keys[None, :] < m.decode_seq_lens[:, None]
+            if m.sliding_window is not None:
+                mask &= keys[None, :] >= m.decode_seq_lens[:, None] - m.sliding_window
+            m.decode_mask = mask.view(nd, 1, 1, -1)
         length = m.decode_mask.shape[-1]
         kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
         vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
@@ -131,9 +137,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """Attention of every prefill chunk's rows into `out`."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        window = m.sliding_window
         for p in m.prefills:
             qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            if p.block_ids is None:
+            if p.block_ids is None and (window is None or p.seq_len <= window):
                 ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 oi = _sdpa(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
@@ -142,8 +149,13 @@ class TorchAttentionBackend(AttentionBackend):
                     k_pos = torch.arange(p.seq_len, device=q.device)
                     q_pos = k_pos[p.seq_len - (p.end - p.start) :]
                     p.mask = k_pos[None, :] <= q_pos[:, None]
-                ki = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
-                vi = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
+                    if window is not None:
+                        p.mask &= k_pos[None, :] > q_pos[:, None] - window
+                if p.block_ids is None:  # a fresh chunk longer than the window
+                    ki, vi = k[p.start : p.end], v[p.start : p.end]
+                else:
+                    ki = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
+                    vi = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
                 oi = _sdpa(
                     qi,
                     ki.transpose(0, 1).unsqueeze(0),

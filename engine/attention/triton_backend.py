@@ -18,6 +18,7 @@ class TritonAttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1]
     seq_lens: torch.Tensor  # [B]
     max_query_len: int
+    sliding_window: int | None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -39,6 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
             query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
             seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int64, device=device),
             max_query_len=max_query_len,
+            sliding_window=layout.sliding_window,
         )
 
     def forward(
@@ -66,5 +68,6 @@ class TritonAttentionBackend(AttentionBackend):
             m.seq_lens,
             m.max_query_len,
             scale,
+            m.sliding_window,
         )
         return out

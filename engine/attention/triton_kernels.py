@@ -9,9 +9,15 @@ them against the torch reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Wider than any context: the window then masks nothing (and stays clear of int32 overflow).
+_NO_WINDOW = 1 << 30
+_LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -23,7 +29,8 @@ def _paged_attention(
     block_table_ptr,  # [B, max_blocks]
     query_start_ptr,  # [B + 1]
     seq_len_ptr,  # [B]: cache length after this step
-    scale,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # a query sees keys at positions > its own - window
     stride_qt,
     stride_qh,
     stride_ot,
@@ -33,71 +40,83 @@ def _paged_attention(
     stride_kh,
     stride_bt,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
-    BLOCK_N: tl.constexpr,  # BLOCK_SIZE rounded up to a power of two
-    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per inner step (may span several cache blocks)
+    TOKENS: tl.constexpr,  # query tokens per program
     GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    DOT_PRECISION: tl.constexpr,  # "ieee" keeps float32 exact (no TF32) on GPUs
+    DOT_FLOAT32: tl.constexpr,  # upcast the dots' operands (see `_dot_in_float32`)
 ):
+    # One program: TOKENS query tokens x the GROUP query heads that share one kv head, as
+    # the rows of one tile, so every K/V tile is read once for the whole group.
+    BLOCK_M: tl.constexpr = TOKENS * GROUP_P
     request = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + request)
     q_len = tl.load(query_start_ptr + request + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * TOKENS >= q_len:
         return
     seq_len = tl.load(seq_len_ptr + request)
     context = seq_len - q_len  # tokens cached before this step
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    r = tl.arange(0, BLOCK_M)
+    token = tile * TOKENS + r // GROUP_P
+    head = kv_head * GROUP + r % GROUP_P
+    row_ok = (token < q_len) & (r % GROUP_P < GROUP)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-        mask=row_ok[:, None] & dim_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    q_pos = context + rows  # each query's position in its sequence
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q_rows = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_rows, mask=q_mask, other=0.0)
+    if DOT_FLOAT32:
+        q = q.to(tl.float32)
+    q_pos = context + token  # each row's position in its sequence
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    # Keys up to the tile's last query position: causal, so later blocks are never read.
-    last_pos = tl.minimum(context + tile * BLOCK_M + BLOCK_M, seq_len)
-    num_blocks = tl.cdiv(last_pos, BLOCK_SIZE)
-    for j in range(0, num_blocks):
-        physical = tl.load(block_table_ptr + request * stride_bt + j)
-        k_pos = j * BLOCK_SIZE + offs
-        k_ok = (offs < BLOCK_SIZE) & (k_pos < seq_len)
+    # Keys from the tile's first query's window to its last query: blocks before and after
+    # are never read (causal; sliding window).
+    first_pos = tl.maximum(context + tile * TOKENS - window + 1, 0)
+    first_pos = (first_pos // BLOCK_SIZE) * BLOCK_SIZE
+    last_pos = tl.minimum(context + tile * TOKENS + TOKENS, seq_len)
+    for start in range(first_pos, last_pos, BLOCK_N):
+        k_pos = start + offs
+        k_ok = k_pos < last_pos
+        physical = tl.load(
+            block_table_ptr + request * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0
+        )
         kv_offsets = (
-            physical * stride_kb
-            + offs[:, None] * stride_ks
+            physical[:, None] * stride_kb
+            + (k_pos % BLOCK_SIZE)[:, None] * stride_ks
             + kv_head * stride_kh
             + dims[None, :]
         )
         kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_FLOAT32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet keep -inf; subtracting 0 there avoids inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        # p in the cache's dtype: half-precision tensor-core dots, float32 accumulation.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    o_rows = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_rows, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -164,14 +183,19 @@ def paged_attention(
     seq_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> None:
     """Causal attention of every request's new queries over its cached keys (the new K/V
-    already written), into `out`. q and out: [T, H, D] with unit stride over D."""
+    already written), into `out`; with a sliding window, over the last `sliding_window`
+    positions only. q and out: [T, H, D] with unit stride over D."""
     num_requests = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
-    block_m = 16 if max_query_len <= 16 else 64
-    grid = (num_requests, triton.cdiv(max_query_len, block_m), num_heads)
+    group = q.shape[1] // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    # Rows per program: 16 (the smallest tensor-core tile) for decodes, 64 for prefill.
+    rows = 16 if max_query_len == 1 else 64
+    tokens = max(1, rows // group_p)
+    grid = (num_requests, triton.cdiv(max_query_len, tokens), num_kv_heads)
     _paged_attention[grid](
         q,
         k_cache,
@@ -180,7 +204,8 @@ def paged_attention(
         block_table,
         query_start_loc,
         seq_lens,
-        scale,
+        scale * _LOG2_E,
+        sliding_window or _NO_WINDOW,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -192,7 +217,17 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
-        BLOCK_N=max(16, triton.next_power_of_2(block_size)),
-        BLOCK_M=block_m,
-        GROUP=num_heads // num_kv_heads,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        TOKENS=tokens,
+        GROUP=group,
+        GROUP_P=group_p,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FLOAT32=_dot_in_float32(q.dtype),
     )
+
+
+def _dot_in_float32(dtype: torch.dtype) -> bool:
+    """float32 models; and bfloat16 under Triton's interpreter, whose bfloat16 dot returns
+    garbage (loads, stores and the softmax still run in bfloat16 there)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype == torch.float32 or (interpreted and dtype == torch.bfloat16)

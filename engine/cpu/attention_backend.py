@@ -3,7 +3,7 @@
 Decodes run as one native call that reads K/V straight from the paged cache; prefill chunks
 as one native flash-style call for all of them (AVX2 + FMA or AVX-512 hosts). Whatever a
 kernel cannot take (no compiler, another dtype or device, a head size the prefill kernel does
-not tile, no scratch memory) runs the torch reference instead, row for row.
+not tile, no scratch memory, a sliding window) runs the torch reference instead, row for row.
 """
 
 from __future__ import annotations
@@ -46,7 +46,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         base = super().prepare(layout)
         native = None
         nd = layout.num_decodes
-        if base.prefills and self._prefill_lib is not None and layout.block_table.is_cpu:
+        if (
+            base.prefills
+            and self._prefill_lib is not None
+            and layout.block_table.is_cpu
+            and layout.sliding_window is None
+        ):
             rows = range(nd, len(layout.seq_lens))
             native = PrefillChunks(
                 q_start=torch.tensor([layout.query_start_loc[i] for i in rows]),
@@ -65,7 +70,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        if self._decode_lib is None or not native_decode_supported(q, k_cache):
+        native = self._decode_lib is not None and m.sliding_window is None
+        if not native or not native_decode_supported(q, k_cache):
             super().decode(q, k_cache, v_cache, m, scale, out)
             return
         nd = m.num_decodes

@@ -61,9 +61,6 @@ def read_spec(model: str) -> DecoderSpec:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    sliding = cfg.get("sliding_window")
-    if family == "qwen2" or family == "qwen3":
-        sliding = sliding if cfg.get("use_sliding_window") else None
     return DecoderSpec(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -80,7 +77,29 @@ def read_spec(model: str) -> DecoderSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
         qk_norm=family == "qwen3",
-        sliding_window=sliding,
+        sliding_window=_sliding_window(cfg, family),
+    )
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    """The one window every layer uses, or None. Per-layer kinds (config `layer_types`, or
+    Qwen's window from layer `max_window_layers` on) must agree: the attention backends take
+    one window per model."""
+    window = cfg.get("sliding_window")
+    if window is None or (family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+        return None
+    num_layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if kinds is None and family in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 0)
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+    if kinds is None or set(kinds) == {"sliding_attention"}:
+        return window
+    if set(kinds) == {"full_attention"}:
+        return None
+    raise ValueError(
+        "model: a sliding window on some layers only is not supported "
+        f"(layer_types {sorted(set(kinds))})"
     )
 
 

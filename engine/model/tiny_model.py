@@ -57,6 +57,8 @@ ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # A window far shorter than the test prompts, so that it changes the tokens.
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 12}),
     # Tied embeddings, as in small Qwen2 checkpoints: no lm_head.weight in the file.
     "qwen2": (
         "Qwen2Config",

@@ -26,11 +26,6 @@ class TorchModelRunner:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                 f"({spec.max_position_embeddings})"
             )
-        if spec.sliding_window is not None and max_len > spec.sliding_window:
-            raise ValueError(
-                f"max_model_len ({max_len}) exceeds the model's sliding_window "
-                f"({spec.sliding_window}); sliding-window attention is not supported"
-            )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -181,5 +176,6 @@ class TorchModelRunner:
             block_table=block_table.to(dev),
             slot_mapping=slots.to(dev),
             block_size=bs,
+            sliding_window=self.spec.sliding_window,
         )
         return input_ids.to(dev), positions.to(dev), layout, logits_indices.to(dev)

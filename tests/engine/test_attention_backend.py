@@ -19,11 +19,14 @@ from engine.cpu.attention_backend import CpuAttentionBackend
 from engine.cpu.attention_kernels import load_native_decode, load_native_prefill
 
 
-def dense_reference(q, k, v, scale):
-    """q: [n, H, D] new queries at the end of a context of len(k) keys [L, Hkv, D]."""
+def dense_reference(q, k, v, scale, sliding_window=None):
+    """q: [n, H, D] new queries at the end of a context of len(k) keys [L, Hkv, D]; with a
+    window, each query sees the keys of its last `sliding_window` positions."""
     n, L = q.shape[0], k.shape[0]
     q_pos = torch.arange(L - n, L)
     mask = torch.arange(L)[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= torch.arange(L)[None, :] > q_pos[:, None] - sliding_window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -35,7 +38,7 @@ def dense_reference(q, k, v, scale):
     return out[0].transpose(0, 1)
 
 
-def make_case(seed, num_heads, num_kv_heads, head_dim, block_size, shapes):
+def make_case(seed, num_heads, num_kv_heads, head_dim, block_size, shapes, sliding_window=None):
     """shapes: list of (tokens already cached, new tokens) per request, decodes first."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -69,6 +72,7 @@ def make_case(seed, num_heads, num_kv_heads, head_dim, block_size, shapes):
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         slot_mapping=torch.tensor(slots),
         block_size=block_size,
+        sliding_window=sliding_window,
     )
     return layout, torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, contexts
 
@@ -92,12 +96,28 @@ def test_backend_matches_dense_attention_and_fills_the_cache(
     _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("window", [1, 7, 16])
+def test_backend_with_a_sliding_window_sees_only_the_last_positions(native, window):
+    """Decodes and prefill chunks (fresh ones longer than the window, ones resuming on a
+    cached prefix) attend to the last `window` positions only; the cpu backend runs its
+    reference path for them."""
+    if native and load_native_decode() is None:
+        pytest.skip("no C compiler here")
+    shapes = [(3, 1), (40, 1), (0, 9), (0, 30), (11, 6), (25, 20)]
+    layout, q, k, v, k_cache, v_cache, contexts = make_case(
+        4, 8, 2, 32, 8, shapes, sliding_window=window
+    )
+    backend = CpuAttentionBackend() if native else TorchAttentionBackend()
+    _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts)
+
+
 def _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts):
     scale = q.shape[-1] ** -0.5
     out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(layout), scale)
     for i, (ctx_k, ctx_v) in enumerate(contexts):
         start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-        want = dense_reference(q[start:end], ctx_k, ctx_v, scale)
+        want = dense_reference(q[start:end], ctx_k, ctx_v, scale, layout.sliding_window)
         torch.testing.assert_close(out[start:end], want, atol=2e-5, rtol=1e-4)
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     torch.testing.assert_close(flat_k[layout.slot_mapping], k)

@@ -19,7 +19,14 @@ from tests.engine.test_attention_backend import _check_against_dense, make_case 
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(4, 4, 16, 16), (8, 2, 64, 16), (8, 1, 32, 4), (6, 2, 24, 3)],
+    [
+        (4, 4, 64, 16),  # GQA ratio 1
+        (8, 2, 128, 16),  # ratio 4
+        (8, 1, 64, 16),  # ratio 8
+        (16, 2, 128, 16),  # ratio 8 at the common head size
+        (8, 1, 32, 4),
+        (6, 2, 24, 3),  # head size and block size not powers of two
+    ],
 )
 def test_triton_backend_matches_dense_attention_and_fills_the_cache(
     num_heads, num_kv_heads, head_dim, block_size
@@ -28,6 +35,22 @@ def test_triton_backend_matches_dense_attention_and_fills_the_cache(
     shapes.sort(key=lambda s: s[1] != 1)  # decodes first, as the runner orders them
     layout, q, k, v, k_cache, v_cache, contexts = make_case(
         11, num_heads, num_kv_heads, head_dim, block_size, shapes
+    )
+    _check_against_dense(TritonAttentionBackend(), layout, q, k, v, k_cache, v_cache, contexts)
+
+
+@pytest.mark.parametrize("shapes", [[(9, 1), (40, 1), (16, 1)], [(0, 50), (33, 40)]])
+def test_triton_backend_on_decode_only_and_prefill_only_steps(shapes):
+    layout, q, k, v, k_cache, v_cache, contexts = make_case(2, 8, 2, 64, 16, shapes)
+    _check_against_dense(TritonAttentionBackend(), layout, q, k, v, k_cache, v_cache, contexts)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_triton_backend_with_a_sliding_window(window):
+    """Blocks wholly before a tile's window are skipped; keys inside them must not count."""
+    shapes = [(3, 1), (70, 1), (0, 9), (0, 90), (11, 6), (45, 70)]
+    layout, q, k, v, k_cache, v_cache, contexts = make_case(
+        6, 8, 2, 64, 16, shapes, sliding_window=window
     )
     _check_against_dense(TritonAttentionBackend(), layout, q, k, v, k_cache, v_cache, contexts)
 
@@ -59,6 +82,12 @@ def test_the_engine_on_the_triton_backend_passes_the_oracle(tiny_model):
     max_tokens = [5, 3, 6, 4, 5]
     tokens = run_mix(engine, prompts, max_tokens, [0, 0, 1, 2, 3])
     check_against_oracle(HFOracle(tiny_model), prompts, max_tokens, tokens)
+
+
+def test_a_sliding_window_model_on_the_triton_backend_passes_the_oracle():
+    from tests.engine.test_oracle import check_sliding_window_model
+
+    check_sliding_window_model("triton")
 
 
 def test_triton_needs_cuda_outside_the_interpreter(monkeypatch):

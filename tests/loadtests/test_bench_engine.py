@@ -100,4 +100,3 @@ def test_cpu_accounting_sees_this_process_and_the_machine():
     after = cpu_accounting.machine_times()
     assert sum(after.values()) > sum(machine.values())
     assert 0.0 <= cpu_accounting.steal_fraction(machine, after) < 1.0
-
