@@ -79,6 +79,8 @@ class ReplicaStats:
     ttft: LatencySummary = LatencySummary()  # requests that got their first token this period
     itl: LatencySummary = LatencySummary()  # inter-token gaps of the streamed chunks
     metrics: EngineMetricsSnapshot | None = None  # cumulative request metrics (/metrics)
+    attention_kernels: str = ""  # the attention backend the engine runs (its registry's pick)
+    attention_kernels_reason: str = ""  # why that one
 
     @property
     def num_waiting(self) -> int:

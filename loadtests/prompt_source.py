@@ -6,7 +6,6 @@ import random
 from dataclasses import dataclass
 
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, LengthDist
-from engine.core.config import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -17,11 +16,11 @@ class PromptSpec:
     prefix_len: int = 256  # shared-prefix: the common prefix
     token_lo: int = 32
     token_hi: int = 1000
-    max_model_len: int = SchedulerConfig.max_model_len
+    context_len: int = 2048  # prompt + output cap: the server's max_model_len
 
 
 class PromptSource:
-    """Seeded prompts (token ids) and max_tokens; never longer than max_model_len."""
+    """Seeded prompts (token ids) and max_tokens; never longer than the spec's context_len."""
 
     def __init__(self, spec: PromptSpec, seed: int = 0) -> None:
         if spec.kind not in ("fixed", "uniform", "chat", "shared-prefix"):
@@ -46,7 +45,7 @@ class PromptSource:
 
     def next(self) -> tuple[list[int], int]:
         n_prompt, n_out = self.lengths()
-        room = self.spec.max_model_len - len(self.prefix)
+        room = self.spec.context_len - len(self.prefix)
         n_prompt = max(1, min(n_prompt, room - 2))
         n_out = max(1, min(n_out, room - n_prompt))
         return self.prefix + self._ids(n_prompt), n_out

@@ -63,8 +63,8 @@ async def sweep_url(
     models = await client.models.list()
     served = models.data[0]
     model = model or served.id
-    max_len = getattr(served, "max_model_len", None) or spec.max_model_len
-    spec = PromptSpec(**(asdict(spec) | {"max_model_len": int(max_len)}))
+    max_len = getattr(served, "max_model_len", None) or spec.context_len
+    spec = PromptSpec(**(asdict(spec) | {"context_len": int(max_len)}))
     mode, levels = ("rate", opts.rate) if opts.rate else ("concurrency", opts.concurrency)
     rows = []
     for i, value in enumerate(levels):

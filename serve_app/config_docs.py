@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel
 
@@ -38,9 +39,14 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 
 def _type_name(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "")
-    return text.replace("NoneType", "null").replace("None", "null").replace(" | ", " or ")
+    """int, str or null; a Literal as its values ('a', 'b'); unions joined with "or"."""
+    if typing.get_origin(annotation) is Literal:
+        return ", ".join(repr(v) for v in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
 def _default(info: Any) -> str:

@@ -62,6 +62,11 @@ class EngineServer:
         else:  # the engine runs it itself, before every step
             policy = self.args.batching.make(start.max_num_seqs)
         self.engine = AsyncLLMEngine(LLMEngine(config, policy=policy))
+        runner = self.engine.engine.runner
+        self._attention_kernels = {
+            "attention_kernels": runner.backend.name,
+            "attention_kernels_reason": runner.backend_reason,
+        }
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else "local"
         self.num_rejected_total = 0
@@ -202,6 +207,7 @@ class EngineServer:
             metrics=self.metrics.snapshot(
                 self.engine.engine.scheduler.steps.batch_size_histogram.snapshot()
             ),
+            **self._attention_kernels,
         )
 
     async def _report_loop(self) -> None:

@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput
+from engine.model.loader import read_spec, resolve_max_model_len
 from serve_app import openai_protocol as oai
 from serve_app import tracing
 from serve_app.config import AppArgs
@@ -53,7 +54,9 @@ class OpenAIIngress:
     ) -> None:
         self.args = AppArgs.model_validate(args)
         self.model_name = self.args.model_name
-        self.max_model_len = self.args.engine.max_model_len
+        # The engines resolve `auto` the same way, from the same config.json.
+        spec = read_spec(self.args.model)
+        self.max_model_len = resolve_max_model_len(self.args.engine.max_model_len, spec)
         self.prompts = PromptBuilder(self.args.model)
         self.engine = engine.options(stream=True)
         self.channels: DeltaChannels | None = None

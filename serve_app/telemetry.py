@@ -133,6 +133,17 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "dynabatch:num_engine_replicas", "Engine replicas reporting.", value=len(rows)
         )
+        info = GaugeMetricFamily(
+            "dynabatch:attention_backend_info",
+            "The attention kernels each engine replica runs, and why (always 1).",
+            labels=["model_name", "replica", "backend", "reason"],
+        )
+        for labels, stats, _ in rows:
+            if stats.attention_kernels:
+                info.add_metric(
+                    [*labels, stats.attention_kernels, stats.attention_kernels_reason], 1.0
+                )
+        yield info
         counters = {
             "num_preemptions": ("Preemptions.", lambda s: s.scheduler.num_preemptions_total),
             "prompt_tokens": (

@@ -29,6 +29,7 @@ def build_engine(
     num_host_blocks: int | None = None,
     device: str = "cpu",
     attention_backend: str = "auto",
+    dtype: str = "float32",
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
@@ -39,6 +40,7 @@ def build_engine(
         EngineConfig(
             model=model,
             device=device,
+            dtype=dtype,
             attention_backend=attention_backend,
             cache=CacheConfig(
                 block_size=block_size,

@@ -17,7 +17,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "sjf"]
 BatchingMode = Literal["continuous", "static"]
 PreemptionMode = Literal["recompute", "swap"]
 Dtype = Literal["float32", "float16", "bfloat16"]
-AttentionBackendName = Literal["auto", "cpu", "torch", "triton"]
+AttentionBackendName = Literal["auto", "cpu", "torch", "triton", "flashinfer"]
 
 
 def knob(default: Any, doc: str) -> Any:
@@ -32,19 +32,22 @@ def _check(ok: bool, param: str, rule: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How the paged KV cache is sized. Exactly one sizing rule applies, in this order:
-    `num_blocks`, `kv_cache_bytes`, `gpu_memory_fraction`."""
+    """How the paged KV cache is sized. The first rule set applies: `num_blocks`,
+    `kv_cache_bytes`; else 1 GiB on CPU, and profiling with `gpu_memory_fraction` on a GPU."""
 
     block_size: int = knob(16, "Tokens per KV cache block.")
     num_blocks: int | None = knob(
         None, "KV cache blocks per replica, explicitly. Null: sized from a budget below."
     )
     kv_cache_bytes: int | None = knob(
-        1 << 30,
-        "KV cache byte budget per replica (the rule on CPU). Null: use gpu_memory_fraction.",
+        None,
+        "KV cache byte budget per replica. Null: 1 GiB on CPU; on a GPU, sized by profiling "
+        "(gpu_memory_fraction).",
     )
     gpu_memory_fraction: float = knob(
-        0.9, "Share of the GPU memory left after the weights that the KV cache takes."
+        0.9,
+        "GPU: the share of the GPU's memory the engine may use; the KV cache gets it minus "
+        "the weights and the peak activations of one profiled step of max_num_batched_tokens.",
     )
     enable_prefix_caching: bool = knob(
         True, "Reuse the KV of cached full blocks that share a request's prefix."
@@ -87,7 +90,11 @@ class SchedulerConfig:
         128, "Most requests in one step's batch (the start value of dynamic batching policies)."
     )
     max_num_batched_tokens: int = knob(2048, "Most tokens (prefill chunks + decodes) in one step.")
-    max_model_len: int = knob(2048, "Longest prompt + completion, in tokens, a request may have.")
+    max_model_len: int | Literal["auto"] = knob(
+        "auto",
+        "Longest prompt + completion, in tokens, a request may have. auto: the model's "
+        "max_position_embeddings (config.json).",
+    )
     batching: BatchingMode = knob(
         "continuous",
         "continuous: iteration-level batching. static: admit a batch and run it until all of "
@@ -107,7 +114,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         self.limits()  # validates both
-        _check(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
+        length = self.max_model_len
+        ok = length == "auto" or (isinstance(length, int) and length >= 2)
+        _check(ok, "max_model_len", ">= 2 or auto", length)
         _check(
             self.batching in ("continuous", "static"),
             "batching",
@@ -143,9 +152,11 @@ class EngineConfig:
     device: str = knob("cpu", "torch device of the engine: 'cpu' or 'cuda'.")
     attention_backend: AttentionBackendName = knob(
         "auto",
-        "Paged attention kernels: cpu (native, CPU only), torch (the reference, any device), "
-        "triton (our paged FlashAttention-style kernel, CUDA), auto (cpu on CPU float32 where "
-        "the kernels build, else torch; the choice is logged).",
+        "Paged attention kernels: cpu (native, CPU float32), torch (the reference, any device), "
+        "triton (our paged FlashAttention-style kernel, CUDA), flashinfer (FlashInfer's paged "
+        "kernels, CUDA float16/bfloat16, the `gpu` extra), auto (CUDA: flashinfer where "
+        "installed, else triton; CPU: cpu for float32, else torch). The choice and its reason "
+        "are logged and exported as the dynabatch:attention_backend_info metric.",
     )
     seed: int = knob(0, "Seed of the engine's default sampling generator.")
     num_threads: int | None = knob(

@@ -1,13 +1,10 @@
-"""Read a local HF checkpoint directory into a DecoderSpec and a state dict."""
+"""Read a local HF checkpoint directory's config.json into a DecoderSpec."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -39,6 +36,19 @@ class DecoderSpec:
     sliding_window: int | None
 
 
+def resolve_max_model_len(value: int | str, spec: DecoderSpec) -> int:
+    """`max_model_len` as a number of tokens: `auto` is the model's context; a number beyond
+    it is a ValueError."""
+    if value == "auto":
+        return spec.max_position_embeddings
+    if value > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({value}) exceeds the model's max_position_embeddings "
+            f"({spec.max_position_embeddings})"
+        )
+    return int(value)
+
+
 def check_model_dir(model: str) -> Path:
     path = Path(model)
     if not (path / "config.json").is_file():
@@ -57,6 +67,15 @@ def read_spec(model: str) -> DecoderSpec:
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = (
+            quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else ""
+        )
+        raise ValueError(
+            f"model: {model!r} is a quantized checkpoint (quantization_config, quant_method "
+            f"{method!r}); dynabatch loads unquantized float16/bfloat16/float32 weights only"
+        )
     num_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -101,19 +120,3 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
         "model: a sliding window on some layers only is not supported "
         f"(layer_types {sorted(set(kinds))})"
     )
-
-
-def iter_checkpoint_tensors(model: str):
-    """Yield (name, tensor) from every safetensors file of the checkpoint."""
-    path = check_model_dir(model)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: no *.safetensors weights in {model!r}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
-
-
-def load_state_dict(model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {name: t.to(dtype) for name, t in iter_checkpoint_tensors(model)}

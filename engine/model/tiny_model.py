@@ -39,6 +39,8 @@ class ModelSize:
 SIZES = {
     # ~0.7M parameters: fast enough for the oracle tests to run many mixes.
     "tiny": ModelSize(64, 4, 4, 2, 176, 4096, 2048, 0.1),
+    # Head size 64, the smallest FlashInfer's kernels take: CUDA backend tests.
+    "tiny-hd64": ModelSize(128, 2, 2, 1, 256, 4096, 2048, 0.1),
     # ~100.7M parameters: the standard benchmark model (see ../shared/DESIGN.md).
     "small": ModelSize(768, 12, 12, 4, 2048, 16384, 4096, 0.05),
 }

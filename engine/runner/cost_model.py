@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.core.clock import VirtualClock
-from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.config import CacheConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 GiB = 1 << 30
@@ -217,18 +217,20 @@ class CostModelRunner:
         clock: VirtualClock,
         params: CostParams | None = None,
         cache: CacheConfig | None = None,
-        max_model_len: int = SchedulerConfig.max_model_len,
+        max_model_len: int | str = "auto",
         sampled_token_id: int = 1,
     ) -> None:
         """The KV cache holds `cache.num_blocks`, else what `cache.gpu_memory_fraction` of the
-        simulated GPUs' memory holds after the weights (a CPU byte budget does not apply)."""
+        simulated GPUs' memory holds after the weights (a CPU byte budget does not apply).
+        `max_model_len` auto: what the cache holds (a simulated model has no config.json)."""
         self.model, self.gpu, self.clock = model, gpu, clock
         self.params = params or CostParams()
         cache = cache or CacheConfig()
         self._num_blocks = cache.num_blocks or kv_blocks_for(
             model, gpu, cache.block_size, cache.gpu_memory_fraction
         )
-        self._max_model_len = max_model_len
+        capacity = self._num_blocks * cache.block_size
+        self._max_model_len = capacity if max_model_len == "auto" else int(max_model_len)
         self.sampled_token_id = sampled_token_id
         self.busy_seconds = 0.0
 

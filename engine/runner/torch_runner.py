@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
 
 from engine.attention.base import BatchLayout
-from engine.attention.registry import get_attention_backend
-from engine.core.config import CacheConfig, EngineConfig
+from engine.attention.registry import AttentionShape, get_attention_backend
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
-from engine.model.decoder import Decoder
-from engine.model.loader import DecoderSpec, load_state_dict, read_spec
+from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
+from engine.model.weight_loader import load_decoder
+from engine.runner.kv_budget import kv_cache_budget
 from engine.sampler import Sampler
+
+logger = logging.getLogger(__name__)
 
 
 class TorchModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         spec = read_spec(config.model)
-        max_len = config.scheduler.max_model_len
-        if max_len > spec.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
-                f"({spec.max_position_embeddings})"
-            )
+        max_len = resolve_max_model_len(config.scheduler.max_model_len, spec)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu":
@@ -34,17 +33,25 @@ class TorchModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self._max_model_len = max_len
+        # Chosen before the weights load: a backend that cannot run the model fails fast.
+        shape = AttentionShape(
+            self.device.type, config.dtype, spec.head_dim, config.cache.block_size
+        )
+        self.backend, self.backend_reason = get_attention_backend(config.attention_backend, shape)
         # The native CPU ops are built and used only when the device is the CPU.
         native_ops = self.device.type == "cpu"
-        self.model = Decoder(spec, spec.max_position_embeddings, native_ops).to(self.dtype)
-        self.model.load_checkpoint(load_state_dict(config.model, self.dtype))
-        self.model.to(self.device).eval()
+        self.model = load_decoder(config.model, spec, self.device, self.dtype, native_ops)
         self.model.pack_weights()
-        self.backend = get_attention_backend(
-            config.attention_backend, self.device.type, config.dtype
-        )
         self.block_size = config.cache.block_size
-        self._num_blocks = self._size_cache(config.cache)
+        self._num_blocks = self._size_cache(config.cache, config.scheduler)
+        if self._num_blocks * self.block_size < max_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len (%d): longer requests "
+                "are refused; raise the cache (kv_cache_bytes, gpu_memory_fraction) or lower "
+                "max_model_len",
+                self._num_blocks * self.block_size,
+                max_len,
+            )
         shape = (self._num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
         # Swap preemption: the same layout in host memory (pinned when the cache is on a GPU).
@@ -110,7 +117,7 @@ class TorchModelRunner:
         scheduled = scheduler_output.scheduled
         order = [r for r in scheduled if r.num_tokens == 1]
         order += [r for r in scheduled if r.num_tokens != 1]
-        input_ids, positions, layout, logits_indices = self._prepare_inputs(order)
+        input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
         metadata = self.backend.prepare(layout)
         start = time.perf_counter()
         logits = self.model(
@@ -131,17 +138,10 @@ class TorchModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
 
-    def _size_cache(self, cache: CacheConfig) -> int:
+    def _size_cache(self, cache: CacheConfig, scheduler: SchedulerConfig) -> int:
         if cache.num_blocks is not None:
             return cache.num_blocks
-        if cache.kv_cache_bytes is not None:
-            budget = cache.kv_cache_bytes
-        elif self.device.type == "cuda":
-            # The weights are loaded by now: the fraction is of the memory they left free.
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.gpu_memory_fraction)
-        else:
-            budget = 0
+        budget = kv_cache_budget(self, cache, scheduler, self._max_model_len)
         num_blocks = budget // self.bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
@@ -150,7 +150,7 @@ class TorchModelRunner:
             )
         return num_blocks
 
-    def _prepare_inputs(
+    def prepare_inputs(
         self, order: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout, torch.Tensor]:
         bs = self.block_size

@@ -13,9 +13,10 @@ from engine.cpu.decoder_ops import (
     native_gemm_token_limit,
 )
 from engine.cpu.packed_weights import PackedLinear, PackedWeight
-from engine.model.decoder import Decoder, RMSNorm
-from engine.model.loader import load_state_dict, read_spec
+from engine.model.decoder import RMSNorm
+from engine.model.loader import read_spec
 from engine.model.rope import RotaryEmbedding
+from engine.model.weight_loader import load_decoder
 from tests.conftest import tiny_model_dir
 
 NATIVE = DecoderOps(native=True)
@@ -201,8 +202,7 @@ def test_decoder_packs_its_gemm_weights_where_the_native_gemm_runs_every_step() 
     token-major forward of a PackedLinear computes what the Linear did."""
     model_dir = tiny_model_dir("qwen2")  # tied embeddings, qkv bias
     spec = read_spec(model_dir)
-    decoder = Decoder(spec, spec.max_position_embeddings)
-    decoder.load_checkpoint(load_state_dict(model_dir, torch.float32))
+    decoder = load_decoder(model_dir, spec, torch.device("cpu"), torch.float32)
     before = {name: p.clone() for name, p in decoder.state_dict().items()}
     qkv = decoder.layers[0].self_attn.qkv_proj
     x = torch.randn(5, qkv.in_features)

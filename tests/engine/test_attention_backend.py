@@ -7,6 +7,7 @@ whole context. Every GPU backend will be held to this same test.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -182,16 +183,57 @@ def test_avx2_and_avx512_prefill_kernels_give_the_same_numbers():
     assert outs[0].abs().sum() > 0
 
 
-def test_auto_picks_the_native_kernels_on_cpu_float32_and_the_reference_elsewhere():
-    from engine.attention.registry import get_attention_backend
+def test_auto_picks_per_device_and_dtype_and_says_why():
+    from engine.attention.registry import AttentionShape, get_attention_backend
+
+    def pick(name, device, dtype, head_dim=64):
+        backend, reason = get_attention_backend(name, AttentionShape(device, dtype, head_dim, 16))
+        return backend.name, reason
 
     native = load_native_decode() is not None
-    auto = get_attention_backend("auto", "cpu", "float32")
-    assert auto.name == ("cpu" if native else "torch")
-    assert get_attention_backend("auto", "cpu", "bfloat16").name == "torch"
-    assert get_attention_backend("auto", "cuda", "bfloat16").name == "torch"
-    assert get_attention_backend("torch", "cpu", "float32").name == "torch"
-    with pytest.raises(ValueError, match="attention_backend"):
-        get_attention_backend("cpu", "cuda", "float32")
-    with pytest.raises(ValueError, match="attention_backend"):
-        get_attention_backend("flash", "cuda", "float32")
+    assert pick("auto", "cpu", "float32")[0] == ("cpu" if native else "torch")
+    name, reason = pick("auto", "cpu", "bfloat16")
+    assert name == "torch" and "float32" in reason
+    assert pick("torch", "cpu", "float32") == ("torch", "set in the configuration")
+    # CUDA (decided from the device name: no GPU needed): flashinfer where installed, else
+    # our triton kernel; each fallback says what ruled the faster one out.
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    has_triton = importlib.util.find_spec("triton") is not None
+    name, reason = pick("auto", "cuda", "bfloat16")
+    if has_flashinfer:
+        assert name == "flashinfer"
+    else:
+        assert name == ("triton" if has_triton else "torch")
+        assert "flashinfer-python is not installed" in reason
+    if has_triton:  # flashinfer takes no float32 and no head size 96: triton does
+        assert pick("auto", "cuda", "float32")[0] == "triton"
+        assert pick("auto", "cuda", "bfloat16", head_dim=96)[0] == "triton"
+
+
+@pytest.mark.parametrize(
+    ("name", "device", "dtype", "head_dim", "field"),
+    [
+        ("cpu", "cuda", "float32", 64, "device"),
+        ("cpu", "cpu", "bfloat16", 64, "dtype"),
+        ("flashinfer", "cpu", "bfloat16", 64, "device"),
+        ("flash", "cuda", "float32", 64, "attention_backend"),
+    ],
+)
+def test_a_backend_that_cannot_run_the_shape_is_refused_at_start(
+    name, device, dtype, head_dim, field
+):
+    from engine.attention.registry import AttentionShape, get_attention_backend
+    from engine.core.errors import InvalidParam
+
+    with pytest.raises(InvalidParam) as err:
+        get_attention_backend(name, AttentionShape(device, dtype, head_dim, 16))
+    assert err.value.param == field
+    assert "attention_backend" in str(err.value)
+
+
+def test_the_engine_refuses_a_backend_before_loading_weights(tiny_model):
+    """The cpu kernels run float32 only: asking for them in bfloat16 fails at start."""
+    from tests.conftest import build_engine
+
+    with pytest.raises(ValueError, match="dtype"):
+        build_engine(tiny_model, attention_backend="cpu", dtype="bfloat16")

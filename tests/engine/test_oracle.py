@@ -102,12 +102,18 @@ def test_other_llama_family_architectures_match_hf(arch, feature_major):
     check_against_oracle(oracle, prompts, max_tokens, tokens)
 
 
-def check_sliding_window_model(backend: str) -> None:
+def check_sliding_window_model(backend: str, device: str = "cpu") -> None:
     """Mistral with a 12-token window over prompts up to 40 tokens: chunked prefill (chunks
     longer than the window, chunks resuming past it) and decodes see only the window."""
     model_dir = tiny_model_dir("mistral-window")
     engine = build_engine(
-        model_dir, 4, 80, attention_backend=backend, max_num_seqs=6, max_num_batched_tokens=20
+        model_dir,
+        4,
+        80,
+        device=device,
+        attention_backend=backend,
+        max_num_seqs=6,
+        max_num_batched_tokens=20,
     )
     assert engine.runner.spec.sliding_window == 12
     prompts = random_prompts(8, 6, max_len=40)

@@ -91,11 +91,13 @@ def test_a_sliding_window_model_on_the_triton_backend_passes_the_oracle():
 
 
 def test_triton_needs_cuda_outside_the_interpreter(monkeypatch):
-    from engine.attention.registry import get_attention_backend
+    from engine.attention.registry import AttentionShape, get_attention_backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="attention_backend"):
-        get_attention_backend("triton", "cpu", "float32")
+    with pytest.raises(ValueError, match="attention_backend 'triton' \\(device\\): runs on CUDA"):
+        get_attention_backend("triton", AttentionShape("cpu", "float32", 64, 16))
+    with pytest.raises(ValueError, match="head_dim 512"):
+        get_attention_backend("triton", AttentionShape("cuda", "bfloat16", 512, 16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

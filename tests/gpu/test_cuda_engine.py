@@ -35,14 +35,19 @@ def mixed_requests(seed: int, n: int = 14) -> tuple[list[list[int]], list[int], 
     return prompts, max_tokens, arrive_at
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_greedy_tokens_match_hf_on_cuda(tiny_model, oracle, scenario):
+def test_greedy_tokens_match_hf_on_cuda(tiny_model, oracle, scenario, backend):
+    """float32: the triton kernel's dots run in IEEE float32 (no TF32), so token-exact."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
     engine = build_engine(
         tiny_model,
         block_size,
         num_blocks,
         device="cuda",
+        attention_backend=backend,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         batching=batching,
@@ -120,3 +125,36 @@ def test_bfloat16_on_cuda_serves_and_frees_every_block(tiny_model):
     assert first_agree >= len(prompts) * 3 // 4
     kv = engine.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_sliding_window_model_matches_hf_on_cuda(backend):
+    from tests.engine.test_oracle import check_sliding_window_model
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    check_sliding_window_model(backend, device="cuda")
+
+
+def test_the_profiled_kv_cache_leaves_room_for_the_largest_step(tiny_model):
+    """No kv_cache_bytes: the cache takes gpu_memory_fraction of the GPU minus the weights and
+    the profiled peak, and the largest step then runs within that fraction."""
+    from engine.runner.kv_budget import run_largest_step
+
+    fraction = 0.3
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model,
+            device="cuda",
+            dtype="bfloat16",
+            cache=CacheConfig(block_size=16, gpu_memory_fraction=fraction),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096),
+        )
+    )
+    runner = engine.runner
+    _, total = torch.cuda.mem_get_info()
+    cache_bytes = runner.num_kv_blocks() * runner.bytes_per_block()
+    assert cache_bytes > 0.8 * fraction * total  # the tiny model's weights are negligible
+    torch.cuda.reset_peak_memory_stats()
+    run_largest_step(runner, engine.scheduler.config, runner.max_model_len())
+    assert torch.cuda.max_memory_allocated() <= fraction * total

@@ -36,6 +36,12 @@ def test_engine_metrics_cover_every_replica_and_count_exactly(serve_cluster):
     for gauge in ("num_requests_waiting", "kv_cache_usage_perc", "max_num_seqs"):
         assert {dict(k)["replica"] for k in before[f"dynabatch:{gauge}"]} == replicas
     assert set(before["dynabatch:max_num_seqs"].values()) == {64.0}
+    # Each replica says which attention kernels `auto` gave it (CPU float32: the native ones
+    # where they build) and why.
+    info = [dict(k) for k in before["dynabatch:attention_backend_info"]]
+    assert {i["replica"] for i in info} == replicas
+    assert {i["backend"] for i in info} <= {"cpu", "torch"}
+    assert all(i["reason"].startswith("auto:") for i in info)
 
     n, max_tokens = 6, 5
     usage = []

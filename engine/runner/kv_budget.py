@@ -1,0 +1,100 @@
+"""How many bytes the KV cache gets. On a GPU, by profiling: one forward of the largest step
+the scheduler can form measures the peak activation memory, and the cache takes
+`gpu_memory_fraction` of the GPU's memory minus the weights and that peak."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.outputs import ScheduledRequest
+from engine.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.runner.torch_runner import TorchModelRunner
+
+logger = logging.getLogger(__name__)
+
+# The CPU rule when kv_cache_bytes is null: host memory has no fraction to take.
+CPU_KV_CACHE_BYTES = 1 << 30
+_GIB = float(1 << 30)
+
+
+def kv_cache_budget(
+    runner: TorchModelRunner, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int
+) -> int:
+    if cache.kv_cache_bytes is not None:
+        return cache.kv_cache_bytes
+    if runner.device.type != "cuda":
+        return CPU_KV_CACHE_BYTES
+    device = runner.device
+    weights = torch.cuda.memory_allocated(device)
+    peak = profile_step_bytes(runner, scheduler, max_model_len)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * cache.gpu_memory_fraction) - weights - peak
+    logger.info(
+        "KV cache budget %.2f GiB = %.2f x %.2f GiB - weights %.2f GiB - peak activations "
+        "%.2f GiB (one profiled step of %d tokens)",
+        budget / _GIB,
+        cache.gpu_memory_fraction,
+        total / _GIB,
+        weights / _GIB,
+        peak / _GIB,
+        scheduler.max_num_batched_tokens,
+    )
+    # Other processes on the GPU may hold what the fraction counts on.
+    return max(min(budget, free), 0)
+
+
+def profile_step_bytes(
+    runner: TorchModelRunner, scheduler: SchedulerConfig, max_model_len: int
+) -> int:
+    """Peak device bytes a forward of the largest step takes beyond what is allocated now
+    (and beyond its scratch cache)."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    logits = run_largest_step(runner, scheduler, max_model_len)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del logits
+    torch.cuda.empty_cache()
+    return max(peak, 0)
+
+
+def run_largest_step(
+    runner: TorchModelRunner, scheduler: SchedulerConfig, max_model_len: int
+) -> torch.Tensor:
+    """Prefill `max_num_batched_tokens` tokens over as many requests as the step may hold
+    (each sampled: the most logits rows), into a scratch cache freed on return."""
+    order = largest_step(scheduler, runner.block_size, max_model_len)
+    num_blocks = sum(len(r.block_ids) for r in order)
+    spec = runner.spec
+    shape = (num_blocks, runner.block_size, spec.num_kv_heads, spec.head_dim)
+    k, v = (torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in range(2))
+    scratch = [(k, v)] * spec.num_layers  # every layer writes the same scratch blocks
+    input_ids, positions, layout, logits_indices = runner.prepare_inputs(order)
+    metadata = runner.backend.prepare(layout)
+    with torch.inference_mode():
+        return runner.model(input_ids, positions, scratch, runner.backend, metadata, logits_indices)
+
+
+def largest_step(
+    scheduler: SchedulerConfig, block_size: int, max_model_len: int
+) -> list[ScheduledRequest]:
+    tokens = scheduler.max_num_batched_tokens
+    n = max(min(scheduler.max_num_seqs, tokens), -(-tokens // max_model_len))
+    lengths = [tokens // n + (1 if i < tokens % n else 0) for i in range(n)]
+    order, next_block = [], 0
+    for i, length in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-length // block_size)))
+        next_block += len(blocks)
+        order.append(
+            ScheduledRequest(f"profile-{i}", [0] * length, 0, blocks, True, SamplingParams(), 0)
+        )
+    return order
