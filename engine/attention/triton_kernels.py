@@ -196,6 +196,7 @@ def paged_attention(
     rows = 16 if max_query_len == 1 else 64
     tokens = max(1, rows // group_p)
     grid = (num_requests, triton.cdiv(max_query_len, tokens), num_kv_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     _paged_attention[grid](
         q,
         k_cache,
@@ -215,7 +216,7 @@ def paged_attention(
         k_cache.stride(2),
         block_table.stride(0),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_N=64 if head_dim <= 128 else 32,
         TOKENS=tokens,
@@ -223,6 +224,9 @@ def paged_attention(
         GROUP_P=group_p,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FLOAT32=_dot_in_float32(q.dtype),
+        # Prefill tiles of large heads hold a 64 x head_dim float32 accumulator: more warps
+        # share it instead of spilling registers.
+        num_warps=8 if rows * block_d >= 64 * 128 else 4,
     )
 
 
