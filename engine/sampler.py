@@ -1,4 +1,11 @@
-"""Turn the logits of one step into one token per sampled request."""
+"""Turn the logits of one step into one token per sampled request, on the logits' device.
+
+Greedy rows reduce with one argmax. Random rows are sampled batched, each by inverse CDF
+with one counter-based uniform (engine/draws.py): a request's n-th token depends only on its
+logits, its parameters and (seed, n), never on the rest of the batch. Rows without top-k,
+top-p or min-p sample in vocabulary order; rows with them sort once and sample among the
+tokens their filters keep. Only the token ids cross to the host.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +13,89 @@ import torch
 
 from engine.core.outputs import ScheduledRequest
 from engine.cpu.decoder_ops import argmax_last_dim
+from engine.draws import uniforms
+
+_INT64 = 1 << 64
 
 
 class Sampler:
-    """Greedy rows in one vectorized argmax; random rows one by one with each request's own
-    generator, so the same seed gives the same tokens whatever the batch."""
-
     def __init__(self, seed: int = 0) -> None:
         self._seed_source = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # unseeded requests: a seed drawn at first sight
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._generators.pop(rid, None)
+            self._seeds.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
-        """logits: [len(requests), vocab] on any device. May modify logits in place. Greedy
-        rows are reduced where the logits are (only token ids cross to the host); a random
-        row is copied to the host as float32, where each request's generator lives."""
+        """logits: [len(requests), vocab] on any device. May modify logits in place."""
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, list(req.banned_token_ids)] = float("-inf")
-        tokens = argmax_last_dim(logits).tolist()
-        for i, req in enumerate(requests):
-            if not req.sampling_params.greedy:
-                tokens[i] = self._sample_row(logits[i].to("cpu", torch.float32), req)
-        return tokens
+        tokens = argmax_last_dim(logits)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            drawn = self.sample_random(logits[rows], [requests[i] for i in random_rows])
+            tokens = tokens.index_copy(0, rows, drawn.to(tokens.dtype))
+        return tokens.tolist()
 
-    def _sample_row(self, row: torch.Tensor, req: ScheduledRequest) -> int:
-        params = req.sampling_params
-        row = row / params.temperature
-        if 0 < params.top_k < row.shape[-1]:
-            kth = torch.topk(row, params.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # Drop a token when the tokens ranked above it already cover top_p.
-            drop = probs.cumsum(-1) - probs >= params.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            row = torch.empty_like(row).scatter_(0, order, sorted_logits)
-        probs = row.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())
+    def sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """Token ids [len(requests)] for rows that sample (temperature > 0)."""
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        seeds = torch.tensor([self._seed(r) for r in requests], device=device)
+        counters = torch.tensor([r.num_output_tokens for r in requests], device=device)
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        scaled = logits.float() / temperature[:, None]
+        u = uniforms(seeds, counters)
+        has_filter = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+        filtered = [i for i, f in enumerate(has_filter) if f]
+        plain = [i for i, f in enumerate(has_filter) if not f]
+        out = torch.empty(len(requests), dtype=torch.int64, device=device)
+        for group, draw in ((plain, _draw_plain), (filtered, _draw_filtered)):
+            if group:
+                idx = torch.tensor(group, device=device)
+                out[idx] = draw(scaled[idx], u[idx], [params[i] for i in group])
+        return out
 
-    def _generator(self, req: ScheduledRequest) -> torch.Generator:
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            seed = req.sampling_params.seed
+    def _seed(self, req: ScheduledRequest) -> int:
+        seed = req.sampling_params.seed
+        if seed is None:
+            seed = self._seeds.get(req.request_id)
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
-            gen = self._generators[req.request_id] = torch.Generator().manual_seed(seed)
-        return gen
+                self._seeds[req.request_id] = seed
+        seed %= _INT64  # any Python int, as the int64 with the same low 64 bits
+        return seed - _INT64 if seed >= _INT64 // 2 else seed
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first column whose running sum exceeds u x the row's total: never a zero-mass one."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+def _draw_plain(scaled: torch.Tensor, u: torch.Tensor, params) -> torch.Tensor:
+    return _inverse_cdf(scaled.softmax(-1), u)
+
+
+def _draw_filtered(scaled: torch.Tensor, u: torch.Tensor, params) -> torch.Tensor:
+    """top-k, then top-p over what top-k kept, and min-p (a ratio to the most likely token,
+    which no filter changes)."""
+    device, vocab = scaled.device, scaled.shape[-1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    # Stable: tied logits keep vocabulary order whatever the batch.
+    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    ordered = ordered.masked_fill(rank >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(-1)
+    # Drop a token when the tokens ranked above it already cover top_p (the first stays).
+    drop = probs.cumsum(-1) - probs >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    probs = probs.masked_fill(drop, 0.0)
+    return order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]

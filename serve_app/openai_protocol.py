@@ -29,6 +29,8 @@ class _SamplingFields(_Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
+    # vLLM's extension: drop tokens less likely than min_p x the most likely one.
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -70,6 +72,7 @@ class _SamplingFields(_Body):
             temperature=self.temperature,
             top_k=max(self.top_k, 0),
             top_p=self.top_p,
+            min_p=self.min_p,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -11,13 +11,15 @@ from engine.core.errors import InvalidParam
 class SamplingParams:
     """How one request samples and when it stops.
 
-    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `temperature == 0` means greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable
+    those filters (min_p drops tokens less likely than min_p x the most likely one).
     Stop strings are matched on the detokenized text and are not included in it.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -53,6 +55,8 @@ class SamplingParams:
             raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.top_k, int):
             raise InvalidParam("top_k", f"top_k must be an integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
