@@ -54,6 +54,23 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor: ...
 
+    # Backends whose decode path a CUDA graph can capture (engine/runner/decode_graphs.py).
+    supports_graphs = False
+
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> object:
+        """Metadata of a decode-only step (one new token per row) made from device tensors
+        alone, with tensor operations only: what `prepare` gives, but graph-safe. Only where
+        `supports_graphs`."""
+        raise NotImplementedError(f"the {self.name} backend runs no graphs")
+
 
 def write_kv(
     k: torch.Tensor,

@@ -76,6 +76,23 @@ class TorchAttentionBackend(AttentionBackend):
             layout.slot_mapping, nd, dbt, seq_lens, None, prefills, layout.sliding_window
         )
 
+    # Graph-safe decode metadata, but no graphs in the runner: a padded gather reads every
+    # row's whole block table (max_model_len), where eager steps read their contexts.
+    supports_graphs = False
+
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(
+            slot_mapping, len(seq_lens), block_table, seq_lens, None, [], sliding_window
+        )
+
     def forward(
         self,
         q: torch.Tensor,

@@ -43,6 +43,21 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=layout.sliding_window,
         )
 
+    supports_graphs = True
+
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            slot_mapping, block_table, query_start_loc, seq_lens, 1, sliding_window
+        )
+
     def forward(
         self,
         q: torch.Tensor,

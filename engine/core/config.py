@@ -159,6 +159,11 @@ class EngineConfig:
         "are logged and exported as the dynabatch:attention_backend_info metric.",
     )
     seed: int = knob(0, "Seed of the engine's default sampling generator.")
+    enforce_eager: bool = knob(
+        False,
+        "CUDA: run decode steps eagerly. Otherwise (with the triton backend) they replay CUDA "
+        "graphs captured at start for padded batch sizes up to max_num_seqs.",
+    )
     num_threads: int | None = knob(
         None, "torch intra-op threads of the engine (CPU). Null: torch's default."
     )

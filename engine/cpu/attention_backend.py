@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import AttentionBackend, BatchLayout
 from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from engine.cpu.attention_kernels import (
     PrefillChunks,
@@ -32,6 +32,9 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    # CPU steps run eagerly: no graph code runs there.
+    supports_graphs = False
+    decode_metadata = AttentionBackend.decode_metadata
 
     def __init__(self) -> None:
         self._decode_lib = load_native_decode()

@@ -153,7 +153,9 @@ class Decoder(nn.Module):
             spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling
         )
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: torch.compile cannot functionalise the in-place cache
+    # writes of a graph run in inference mode (the runner's steps run in it anyway).
+    @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -162,10 +164,13 @@ class Decoder(nn.Module):
         backend: AttentionBackend,
         metadata: object,
         logits_indices: torch.Tensor,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
-        """Return float32 logits [len(logits_indices), vocab] for the tokens to sample from."""
+        """Return float32 logits [len(logits_indices), vocab] for the tokens to sample from;
+        with `hidden_only`, their final hidden states instead (`logits` finishes them)."""
         h = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
-        if len(input_ids) <= self.feature_major_max_tokens and self.ops.applies(h):
+        small = len(input_ids) <= self.feature_major_max_tokens
+        if small and self.ops.applies(h) and not hidden_only:
             return self._forward_feature_major(
                 h, positions, kv_caches, backend, metadata, logits_indices
             )
@@ -183,7 +188,11 @@ class Decoder(nn.Module):
                 h += m
         # Only the rows we sample from need the final norm and the (large) vocab projection.
         h = self.norm(h[logits_indices])
-        return self.lm_head(h).float()
+        return h if hidden_only else self.logits(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states."""
+        return self.lm_head(hidden).float()
 
     def _forward_feature_major(
         self,

@@ -15,6 +15,7 @@ from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOu
 from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.weight_loader import load_decoder
+from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_budget import kv_cache_budget
 from engine.sampler import Sampler
 
@@ -52,7 +53,10 @@ class TorchModelRunner:
                 self._num_blocks * self.block_size,
                 max_len,
             )
-        shape = (self._num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        # One block more than the KV manager hands out: the scratch block, where padding rows
+        # of graph-replayed decode steps write.
+        self.scratch_block = self._num_blocks
+        shape = (self._num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
         # Swap preemption: the same layout in host memory (pinned when the cache is on a GPU).
         self._num_host_blocks = 0
@@ -73,6 +77,9 @@ class TorchModelRunner:
         self.sampler = Sampler(config.seed)
         # Seconds inside the model forward, for the benchmark's overhead figure.
         self.forward_seconds = 0.0
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend.supports_graphs and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self, config.scheduler.max_num_seqs, max_len)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -117,12 +124,14 @@ class TorchModelRunner:
         scheduled = scheduler_output.scheduled
         order = [r for r in scheduled if r.num_tokens == 1]
         order += [r for r in scheduled if r.num_tokens != 1]
-        input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
-        metadata = self.backend.prepare(layout)
         start = time.perf_counter()
-        logits = self.model(
-            input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
-        )
+        logits = self._replay(order) if self.graphs is not None else None
+        if logits is None:
+            input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
+            metadata = self.backend.prepare(layout)
+            logits = self.model(
+                input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
+            )
         if self.device.type == "cuda":
             # Kernels run asynchronously: wait, so forward_seconds is the device's time (the
             # sampled token ids' copy to the host below would wait for them anyway).
@@ -131,6 +140,17 @@ class TorchModelRunner:
         sampled = [r for r in order if r.sample]
         tokens = self.sampler.sample(logits, sampled)
         return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
+
+    def _replay(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Logits of the sampled rows of a decode-only step by graph replay, else None."""
+        if any(r.num_tokens != 1 for r in order):
+            return None
+        assert self.graphs is not None
+        logits = self.graphs.run(order)
+        if logits is None or all(r.sample for r in order):
+            return logits
+        # One-token prefill chunks that end before the prompt does sample nothing.
+        return logits[[i for i, r in enumerate(order) if r.sample]]
 
     # ------------------------------------------------------------------------- helpers
     def bytes_per_block(self) -> int:

@@ -158,3 +158,51 @@ def test_the_profiled_kv_cache_leaves_room_for_the_largest_step(tiny_model):
     torch.cuda.reset_peak_memory_stats()
     run_largest_step(runner, engine.scheduler.config, runner.max_model_len())
     assert torch.cuda.max_memory_allocated() <= fraction * total
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(tiny_model, oracle, scenario):
+    """Decode steps replay captured graphs (triton backend) or run eagerly: the same tokens,
+    and HF's."""
+    pytest.importorskip("triton")
+    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
+    runs = []
+    for eager in (False, True):
+        engine = LLMEngine(
+            EngineConfig(
+                model=tiny_model,
+                device="cuda",
+                attention_backend="triton",
+                enforce_eager=eager,
+                cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max_seqs, max_num_batched_tokens=budget, batching=batching
+                ),
+            )
+        )
+        assert (engine.runner.graphs is None) == eager
+        prompts, max_tokens, arrive_at = mixed_requests(0)
+        runs.append(run_mix(engine, prompts, max_tokens, arrive_at))
+    assert runs[0] == runs[1]
+    check_against_oracle(oracle, prompts, max_tokens, runs[0])
+
+
+def test_seeded_sampling_on_cuda_is_the_same_in_any_batch(tiny_model):
+    """A seeded request draws the same tokens alone and amid others with other parameters,
+    at any position in the batch, graphs replaying or not."""
+    pytest.importorskip("triton")
+    engine = build_engine(tiny_model, 16, 200, device="cuda", attention_backend="triton")
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    prompt = random_prompts(9, 1, max_len=30)[0]
+    alone = engine.generate([prompt], params)[0].token_ids
+    others = random_prompts(10, 7, max_len=40)
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=9),
+        SamplingParams(temperature=1.2, min_p=0.05, max_tokens=20),
+    ]
+    other_params = [kinds[i % 3] for i in range(7)]
+    for at in (0, 3, 7):
+        prompts = [*others[:at], prompt, *others[at:]]
+        batch = engine.generate(prompts, [*other_params[:at], params, *other_params[at:]])
+        assert batch[at].token_ids == alone
