@@ -111,6 +111,16 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidParam("prompt", "prompt: must not be empty")
+        vocab = self.runner_vocab_size()
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidParam(
+                    name, f"{name}: token id {bad} is outside the vocabulary [0, {vocab})"
+                )
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(request)
         return request

@@ -5,6 +5,9 @@ with one counter-based uniform (engine/draws.py): a request's n-th token depends
 logits, its parameters and (seed, n), never on the rest of the batch. Rows without top-k,
 top-p or min-p sample in vocabulary order; rows with them sort once and sample among the
 tokens their filters keep. Only the token ids cross to the host.
+
+Penalties and logit biases adjust the rows that ask for them first, batched (one index_put
+per kind over the step's token lists); a step in which no request uses them pays nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
         """logits: [len(requests), vocab] on any device. May modify logits in place."""
+        adjust_logits(logits, requests)
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, list(req.banned_token_ids)] = float("-inf")
@@ -70,6 +74,64 @@ class Sampler:
         return seed - _INT64 if seed >= _INT64 // 2 else seed
 
 
+def adjust_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
+    """Apply logit biases, then presence/frequency/repetition penalties, in place, to the rows
+    whose requests set them."""
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.sampling_params.logit_bias or r.seen_token_ids is not None
+    ]
+    if not rows:
+        return
+    device = logits.device
+    sub = logits[torch.tensor(rows, device=device)].float()
+    bias = [
+        (j, t, b)
+        for j, i in enumerate(rows)
+        for t, b in requests[i].sampling_params.logit_bias.items()
+    ]
+    if bias:
+        where_, ids, values = zip(*bias, strict=True)
+        index = (torch.tensor(where_, device=device), torch.tensor(ids, device=device))
+        sub.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+    penalized = [(j, requests[i]) for j, i in enumerate(rows) if requests[i].seen_token_ids]
+    if penalized:
+        _penalize(sub, penalized)
+    logits[torch.tensor(rows, device=device)] = sub.to(logits.dtype)
+
+
+def _penalize(sub: torch.Tensor, penalized: list[tuple[int, ScheduledRequest]]) -> None:
+    """Presence, frequency and repetition penalties on rows `j` of `sub`, from one count and
+    one mask built by index_put over the requests' token lists."""
+    device = sub.device
+    which = torch.tensor([j for j, _ in penalized], device=device)
+    rows = sub[which]
+    out_at, out_ids, seen_at, seen_ids = [], [], [], []
+    for k, (_, r) in enumerate(penalized):
+        seen = r.seen_token_ids or []
+        output = seen[len(seen) - r.num_output_tokens :] if r.num_output_tokens else []
+        out_at += [k] * len(output)
+        out_ids += output
+        seen_at += [k] * len(seen)
+        seen_ids += seen
+    counts = torch.zeros_like(rows)
+    if out_ids:
+        at = (torch.tensor(out_at, device=device), torch.tensor(out_ids, device=device))
+        counts.index_put_(at, torch.ones(len(out_ids), device=device), accumulate=True)
+    seen_mask = torch.zeros_like(rows, dtype=torch.bool)
+    seen_mask[torch.tensor(seen_at, device=device), torch.tensor(seen_ids, device=device)] = True
+
+    def column(name: str) -> torch.Tensor:
+        values = [getattr(r.sampling_params, name) for _, r in penalized]
+        return torch.tensor(values, device=device)[:, None]
+
+    rep = column("repetition_penalty")
+    rows = torch.where(seen_mask, torch.where(rows > 0, rows / rep, rows * rep), rows)
+    rows -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)
+    sub[which] = rows
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first column whose running sum exceeds u x the row's total: never a zero-mass one."""
     cdf = probs.cumsum(-1)
@@ -97,5 +159,7 @@ def _draw_filtered(scaled: torch.Tensor, u: torch.Tensor, params) -> torch.Tenso
     # Drop a token when the tokens ranked above it already cover top_p (the first stays).
     drop = probs.cumsum(-1) - probs >= top_p[:, None]
     drop |= probs < min_p[:, None] * probs[:, :1]
+    # The most likely token always stays (a top_p below float32's range reads as 0).
+    drop[:, 0] = False
     probs = probs.masked_fill(drop, 0.0)
     return order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from serve_app.api_policy import ApiArgs
 from serve_app.tracing import TracingArgs
 
 
@@ -230,6 +231,7 @@ class AppArgs(_Strict):
         "on one stream, one message per engine step for all of them (false: one message per "
         "request per step on the request's own handle call).",
     )
+    api: ApiArgs = Field(default_factory=ApiArgs, description="What the OpenAI API lets in.")
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")
     engine_replicas: ReplicaArgs = Field(
         default_factory=ReplicaArgs,

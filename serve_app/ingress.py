@@ -26,8 +26,10 @@ from engine.core.outputs import RequestOutput
 from engine.model.loader import read_spec, resolve_max_model_len
 from serve_app import openai_protocol as oai
 from serve_app import tracing
+from serve_app.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.config import AppArgs
 from serve_app.delta_channel import ChannelledFirst, DeltaChannels
+from serve_app.edge_routes import EdgeState, install_edge
 from serve_app.engine_server import EngineRejection
 from serve_app.errors import OpenAIError, install_error_handlers
 from serve_app.prompts import PromptBuilder
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
+install_edge(app)
 
 Body = oai.CompletionRequest | oai.ChatCompletionRequest
 
@@ -65,21 +68,25 @@ class OpenAIIngress:
             replica = context.replica_id.unique_id if context else "local"
             self.channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
         self.metrics = IngressMetrics(self.model_name)
-        self.created = oai.now()
         self.controller = controller
         self.metrics_board = metrics_board
         self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
+        self.ignored = IgnoredFields()
+        # What the routes beside generation read (serve_app/edge_routes.py).
+        app.state.edge = EdgeState(
+            self.model_name,
+            self.max_model_len,
+            self.prompts,
+            self.args.api,
+            self.args.model,
+            oai.now(),
+            self.args.api.keys(),
+        )
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        card = {"id": self.model_name, "object": "model", "created": self.created}
-        card |= {"owned_by": "dynabatch", "root": self.args.model}
-        return {"object": "list", "data": [card | {"max_model_len": self.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -124,7 +131,11 @@ class OpenAIIngress:
                 tracing.request_span(self.tracer, f"POST {path}", attributes, kind="SERVER")
             )
             stream = None
+            headers = {}
             try:
+                ignored = self._ignored(body)
+                if ignored:
+                    headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
                 prep = self._prepare(endpoint, body)
                 stream = RequestStream(prep.request_id, self.channels)
                 stream.call = self.engine.generate.remote(
@@ -141,7 +152,9 @@ class OpenAIIngress:
                     stream.close()
                 self.metrics.answered(endpoint, exc.status)
                 span.set({"http.response.status_code": exc.status})
-                return exc.response()
+                response = exc.response()
+                response.headers.update(headers)
+                return response
             except asyncio.CancelledError:  # the client left before the first token
                 if stream is not None:
                     stream.close()
@@ -155,28 +168,35 @@ class OpenAIIngress:
                 events = sse_events(prep, body.model, deltas, first, record)
                 # The response's body outlives this call: it ends the span when it ends.
                 events = closing(events, scope.pop_all())
-                return StreamingResponse(events, media_type="text/event-stream")
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             whole, last = await whole_body(prep, body.model, deltas, first)
             record(last)
             if last.finish_reason == "error":
                 self.metrics.answered(endpoint, 500)
                 return OpenAIError.server_error(500, f"engine error: {last.error}").response()
             self.metrics.answered(endpoint, 200)
-            return JSONResponse(whole)
+            return JSONResponse(whole, headers=headers)
+
+    def _ignored(self, body: Body) -> list[str]:
+        """The body's unknown fields: logged once each, or a 400 naming the first."""
+        ignored = body.ignored_fields()
+        if ignored and self.args.api.unknown_fields == "reject":
+            raise OpenAIError(400, f"{ignored[0]}: unknown or unsupported field", param=ignored[0])
+        self.ignored.note(ignored)
+        return ignored
 
     def _prepare(self, endpoint: str, body: Body) -> Prepared:
         if body.model != self.model_name:
-            raise OpenAIError(
-                404,
-                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
-                param="model",
-                code="model_not_found",
-            )
+            raise OpenAIError.model_not_found(body.model, self.model_name)
         unsupported = body.unsupported()
         if unsupported is not None:
             raise OpenAIError(400, unsupported[1], param=unsupported[0])
         try:
             if isinstance(body, oai.ChatCompletionRequest):
+                if len(body.messages) > self.args.api.max_messages:
+                    raise InvalidParam(
+                        "messages", f"messages: at most {self.args.api.max_messages} per request"
+                    )
                 prompt_ids = self.prompts.chat(body.messages)
                 requested = body.requested_max_tokens
             else:

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (validated, unknown fields rejected by name) and response records."""
+"""OpenAI request bodies (validated; unknown fields kept aside, for the ingress to ignore or
+reject by name) and response records."""
 
 from __future__ import annotations
 
@@ -13,12 +14,19 @@ from engine.core.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Clients send fields this server does not know (other servers' extensions, newer API
+    # versions): they are kept in `model_extra` and listed by `ignored_fields`.
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# Neutral values of fields accepted for what they would change: anything else is answered
+# 400, naming the field, until it is supported.
+_NEUTRAL_TOOL_CHOICES = (None, "none", "auto")
 
 
 class _SamplingFields(_Body):
@@ -31,7 +39,13 @@ class _SamplingFields(_Body):
     top_k: int = Field(0, ge=-1)
     # vLLM's extension: drop tokens less likely than min_p x the most likely one.
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's extension: divides positive logits of tokens already in the prompt or output.
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    # Any 64-bit pattern, signed or not (sampling reads its low 64 bits).
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -42,9 +56,18 @@ class _SamplingFields(_Body):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their neutral values: anything else is answered 400, naming the field.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # Accepted at their neutral values only (structured outputs and tools are not served yet).
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not -100.0 <= b <= 100.0 for b in value.values()):
+            raise ValueError("biases must be in [-100, 100]")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -60,11 +83,23 @@ class _SamplingFields(_Body):
         """(field, message) of the first field we accept syntactically but cannot honour."""
         if self.n != 1:
             return "n", "n > 1 is not supported yet; send one request per completion"
-        if self.presence_penalty != 0.0:
-            return "presence_penalty", "presence_penalty is not supported yet"
-        if self.frequency_penalty != 0.0:
-            return "frequency_penalty", "frequency_penalty is not supported yet"
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            return "response_format", f"response_format {kind!r} is not supported yet"
+        if self.tools:
+            return "tools", "tools are not supported yet"
+        if self.tool_choice not in _NEUTRAL_TOOL_CHOICES:
+            return "tool_choice", "tool_choice other than none/auto is not supported yet"
         return None
+
+    def ignored_fields(self) -> list[str]:
+        """Fields of the body this server does not know, by path (`messages.refusal`)."""
+        names = set(self.model_extra or {})
+        if self.stream_options is not None:
+            names |= {f"stream_options.{n}" for n in self.stream_options.model_extra or {}}
+        for message in getattr(self, "messages", ()):
+            names |= {f"messages.{n}" for n in message.model_extra or {}}
+        return sorted(names)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -73,6 +108,10 @@ class _SamplingFields(_Body):
             top_k=max(self.top_k, 0),
             top_p=self.top_p,
             min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -98,7 +137,7 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs is not None:
+        if self.logprobs:  # null and 0 are neutral
             return "logprobs", "logprobs are not supported yet"
         if self.echo:
             return "echo", "echo is not supported yet"
@@ -141,7 +180,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:

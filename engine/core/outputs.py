@@ -23,6 +23,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int
     banned_token_ids: tuple[int, ...] = ()  # masked while min_tokens is not reached
+    # Prompt + output tokens so far, for penalties (only when they apply and this step
+    # samples; the last num_output_tokens are the output).
+    seen_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +50,7 @@ class ScheduledRequest:
             params,
             request.num_output_tokens,
             banned,
+            request.all_token_ids if sample and params.penalized else None,
         )
 
 

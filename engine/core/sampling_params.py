@@ -6,13 +6,20 @@ from dataclasses import dataclass, field
 
 from engine.core.errors import InvalidParam
 
+# Below this a temperature is greedy (as vLLM): dividing logits by it overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    `temperature == 0` means greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0` disable
-    those filters (min_p drops tokens less likely than min_p x the most likely one).
+    `temperature` below 1e-5 means greedy. `top_k <= 0`, `top_p == 1` and `min_p == 0`
+    disable those filters (min_p drops tokens less likely than min_p x the most likely one).
+    The penalties and `logit_bias` change the logits before greedy or random choice:
+    presence and frequency penalties subtract for tokens already generated (once, and per
+    occurrence), the repetition penalty divides positive logits (multiplies negative ones)
+    of tokens in the prompt or the output, `logit_bias` adds to given token ids.
     Stop strings are matched on the detokenized text and are not included in it.
     """
 
@@ -20,6 +27,10 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -34,7 +45,16 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty reads the tokens the request has seen."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> None:
         """Raise InvalidParam naming the first bad field."""
@@ -55,6 +75,16 @@ class SamplingParams:
             raise InvalidParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise InvalidParam(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+            raise InvalidParam("logit_bias", "logit_bias keys must be token ids (integers >= 0)")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.top_k, int):

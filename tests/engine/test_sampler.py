@@ -13,7 +13,7 @@ import torch
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
 from engine.draws import uniforms
-from engine.sampler import Sampler
+from engine.sampler import Sampler, adjust_logits
 
 
 def _request(rid: str, params: SamplingParams, n: int = 0) -> ScheduledRequest:
@@ -143,3 +143,45 @@ def test_unseeded_requests_keep_their_engine_drawn_seed_until_forgotten():
     sampler.forget(["u"])
     b = sampler.sample(logits.clone(), [_request("u", params, 0)])[0]
     assert b != a[0]
+
+
+def test_penalties_and_biases_follow_their_definitions():
+    """presence: minus once per generated token; frequency: minus per occurrence;
+    repetition: positive logits divided, negative multiplied, for prompt and output tokens;
+    logit_bias: added. Rows that set none are left alone."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]).repeat(3, 1)
+    prompt, output = [0, 1], [3, 3, 2]
+    params = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={5: 4.0}
+    )
+    penalized = ScheduledRequest("p", [2], 4, [0], True, params, 3, (), prompt + output)
+    biased = _request("b", SamplingParams(logit_bias={1: -3.0, 4: 1.5}))
+    plain = _request("n", SamplingParams())
+    out = logits.clone()
+    adjust_logits(out, [penalized, biased, plain])
+    want = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 0.5 - 0.5, -2.0, 1.0 + 4.0]
+    torch.testing.assert_close(out[0], torch.tensor(want))
+    torch.testing.assert_close(out[1], torch.tensor([2.0, -4.0, 0.5, 3.0, -0.5, 1.0]))
+    assert torch.equal(out[2], logits[2])
+
+
+def test_a_large_logit_bias_decides_greedy_and_random_draws():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    bias = {17: 100.0}
+    requests = [
+        _request("g", SamplingParams(temperature=0.0, logit_bias=bias)),
+        _request("r", SamplingParams(temperature=1.0, seed=1, logit_bias=bias)),
+    ]
+    assert Sampler().sample(logits, requests) == [17, 17]
+
+
+def test_the_most_likely_token_survives_any_filter():
+    """top_p of 1e-45 is 0 in float32 (and flushed where denormals are): the top token
+    still stays, so the draw is the argmax."""
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)) * 3
+    requests = [
+        _request("p", SamplingParams(temperature=1.0, top_p=1e-45, seed=1)),
+        _request("m", SamplingParams(temperature=1.0, min_p=1.0, seed=2)),
+        _request("k", SamplingParams(temperature=1.0, top_k=1, seed=3)),
+    ]
+    assert Sampler().sample(logits.clone(), requests) == logits.argmax(-1).tolist()

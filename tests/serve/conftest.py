@@ -43,8 +43,12 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
     return _merge(_merge(deploy_yaml_args(), test_sizes), overrides)
 
 
+NARROW_AUTH = {"Authorization": "Bearer narrow-key"}
 NARROW = {
     "engine": {"kv_cache_bytes": 8 << 20, "max_num_seqs": 2, "max_model_len": 512},
+    # The strict settings: unknown request fields are a 400 here (ignored in `llm`), and
+    # /v1/* asks for an API key.
+    "api": {"unknown_fields": "reject", "api_keys": ["narrow-key"]},
     "max_queued_requests": 2,
     "retry_after_s": 2,
     "engine_replicas": {"num_replicas": 1, "num_cpus": 0.5},

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from serve_app.router import prefix_key, rendezvous_choice
+from tests.serve.conftest import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +40,7 @@ def test_client_disconnect_aborts_and_frees_blocks(serve_cluster):
         "stream": True,
     }
     with (
-        httpx.Client(timeout=30) as http,
+        httpx.Client(timeout=30, headers=NARROW_AUTH) as http,
         http.stream("POST", f"{serve_cluster.v1('narrow')}/completions", json=body) as resp,
     ):
         assert resp.status_code == 200
@@ -74,7 +75,7 @@ def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
         return resp.status_code, dict(resp.headers), resp.json()
 
     async def burst() -> list[tuple[int, dict, dict]]:
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=NARROW_AUTH) as http:
             return await asyncio.gather(*(one(http, i) for i in range(12)))
 
     results = asyncio.run(burst())
@@ -88,7 +89,8 @@ def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
         else:
             assert body["usage"]["completion_tokens"] == 120
     # The server kept serving: the next request is accepted and the replica ends idle.
-    ok = httpx.post(url, json={"model": "tiny", "prompt": "after", "max_tokens": 3}, timeout=60)
+    after = {"model": "tiny", "prompt": "after", "max_tokens": 3}
+    ok = httpx.post(url, json=after, timeout=60, headers=NARROW_AUTH)
     assert ok.status_code == 200
     stats = _wait_stats(serve_cluster, "narrow", 1, _idle)
     s = next(iter(stats.values()))

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.serve.conftest import NARROW_AUTH
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -25,12 +27,21 @@ def _error(resp: httpx.Response) -> dict:
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"logprobs": 2}, "logprobs"),
-        ({"frobnicate": True}, "frobnicate"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [999999]}, "prompt"),
         ({"stop": [""]}, "stop"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"priority": "urgent"}, "priority"),
+        # Values that once reached the engine and came back as a 200 carrying an error.
+        ({"seed": 2**70}, "seed"),
+        ({"stop_token_ids": [10**9], "min_tokens": 1}, "stop_token_ids"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_bad_completion_fields_answer_400(serve_cluster, patch, param):
@@ -71,3 +82,61 @@ def test_unknown_model_is_404(serve_cluster):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
     assert info.value.body["param"] == "model"
+
+
+def test_unknown_fields_are_a_400_where_the_app_rejects_them(serve_cluster):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frobnicate": True}
+    resp = httpx.post(f"{serve_cluster.v1('narrow')}/completions", json=body, headers=NARROW_AUTH)
+    assert resp.status_code == 400
+    assert _error(resp)["param"] == "frobnicate"
+
+
+def test_api_keys_guard_v1_but_not_health(serve_cluster):
+    """The narrow app asks for a key: none or a wrong one is a 401 in OpenAI's body (what
+    the openai client raises as AuthenticationError); /health stays open."""
+    base = f"{serve_cluster.base_url}/narrow"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "narrow-key"}):
+        resp = httpx.get(f"{base}/v1/models", headers=headers)
+        assert resp.status_code == 401
+        assert _error(resp)["code"] == "invalid_api_key"
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(f"{base}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="narrow-key", max_retries=0)
+    assert client.models.list().data[0].id == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("content", "headers"),
+    [
+        (b'{"model": "tiny", "prompt": "hi"', {}),  # cut short
+        (b'{"model": "tiny", "prompt": "\xff\xfe"}', {}),
+        (b'{"model": "tiny", "prompt": "caf\xe9"}', {}),  # latin-1, not UTF-8
+        (b"[" * 100_000 + b"]" * 100_000, {}),  # nested past Python's recursion limit
+        (b"not json at all", {"content-type": "application/json"}),
+    ],
+    ids=["truncated", "escaped-bad-bytes", "bad-utf8", "deep-nesting", "garbage"],
+)
+def test_unparsable_bodies_get_openais_error_body(serve_cluster, content, headers):
+    url = f"{serve_cluster.v1()}/completions"
+    resp = httpx.post(url, content=content, headers={"content-type": "application/json"} | headers)
+    assert 400 <= resp.status_code < 500, resp.text
+    _error(resp)  # never FastAPI's {"detail": ...}
+    assert (
+        httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 1}).status_code == 200
+    )
+
+
+def test_oversized_bodies_and_unknown_routes_get_openais_error_body(serve_cluster):
+    big = {"model": "tiny", "prompt": "x" * (5 << 20), "max_tokens": 1}
+    resp = httpx.post(f"{serve_cluster.v1()}/completions", json=big)
+    assert resp.status_code == 413
+    assert _error(resp)["code"] == "request_too_large"
+    resp = httpx.get(f"{serve_cluster.v1()}/no-such-route")
+    assert resp.status_code == 404
+    _error(resp)
+    resp = httpx.get(f"{serve_cluster.v1()}/completions")  # wrong method
+    assert resp.status_code == 405
+    _error(resp)
