@@ -10,7 +10,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats
+from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats, TokenLogprob
 from engine.core.policy import BatchingPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
@@ -187,6 +187,7 @@ class LLMEngine:
                         else None
                     ),
                     num_preemptions=req.num_preemptions,
+                    logprobs=_logprobs_of(result.logprobs, core.request_id, core.new_token_ids),
                 )
             )
             if finish_reason is not None:
@@ -245,3 +246,10 @@ def _eos_token_ids(model: str, tokenizer) -> tuple[int, ...]:
     if not ids and tokenizer.eos_token_id is not None:
         ids = [tokenizer.eos_token_id]
     return tuple(ids)
+
+
+def _logprobs_of(
+    logprobs: dict[str, TokenLogprob], request_id: str, new_token_ids: list[int]
+) -> list[TokenLogprob] | None:
+    entry = logprobs.get(request_id)
+    return [entry] if entry is not None and new_token_ids else None

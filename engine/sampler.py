@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.outputs import ScheduledRequest
+from engine.core.outputs import ScheduledRequest, TokenLogprob
 from engine.cpu.decoder_ops import argmax_last_dim
 from engine.draws import uniforms
 
@@ -32,6 +32,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
         """logits: [len(requests), vocab] on any device. May modify logits in place."""
+        return self.sample_with_logprobs(logits, requests)[0]
+
+    def sample_with_logprobs(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> tuple[list[int], dict[str, TokenLogprob]]:
+        """`sample`, and the log-probabilities of the requests that ask for them: of the raw
+        logits (before biases, penalties, temperature and filters), as vLLM reports them."""
+        asking = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if asking:
+            at = torch.tensor(asking, device=logits.device)
+            raw = logits[at].float().log_softmax(-1)  # a copy: taken before the adjustments
         adjust_logits(logits, requests)
         for i, req in enumerate(requests):
             if req.banned_token_ids:
@@ -42,7 +53,10 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             drawn = self.sample_random(logits[rows], [requests[i] for i in random_rows])
             tokens = tokens.index_copy(0, rows, drawn.to(tokens.dtype))
-        return tokens.tolist()
+        if not asking:
+            return tokens.tolist(), {}
+        logprobs = _logprobs(raw, tokens[at], [requests[i] for i in asking])
+        return tokens.tolist(), logprobs
 
     def sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Token ids [len(requests)] for rows that sample (temperature > 0)."""
@@ -72,6 +86,21 @@ class Sampler:
                 self._seeds[req.request_id] = seed
         seed %= _INT64  # any Python int, as the int64 with the same low 64 bits
         return seed - _INT64 if seed >= _INT64 // 2 else seed
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]
+) -> dict[str, TokenLogprob]:
+    chosen = raw.gather(1, tokens[:, None].to(torch.int64))[:, 0].tolist()
+    k = max(r.sampling_params.logprobs or 0 for r in requests)
+    top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0])
+    values, ids = top_values.tolist(), top_ids.tolist()
+    out = {}
+    for row, r in enumerate(requests):
+        n = r.sampling_params.logprobs or 0
+        top = list(zip(ids[row][:n], values[row][:n], strict=True))
+        out[r.request_id] = TokenLogprob(chosen[row], [(int(t), v) for t, v in top])
+    return out
 
 
 def adjust_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:

@@ -32,6 +32,7 @@ from serve_app.delta_channel import ChannelledFirst, DeltaChannels
 from serve_app.edge_routes import EdgeState, install_edge
 from serve_app.engine_server import EngineRejection
 from serve_app.errors import OpenAIError, install_error_handlers
+from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.prompts import PromptBuilder
 from serve_app.streaming import Prepared, RequestStream, closing, sse_events, whole_body
 from serve_app.telemetry import IngressMetrics
@@ -219,6 +220,11 @@ class OpenAIIngress:
             endpoint,
             body.include_usage,
             body.continuous_usage,
+            logprobs=(
+                LogprobsFormatter(self.prompts.tokenizer, endpoint == "chat")
+                if params.logprobs is not None
+                else None
+            ),
         )
 
     def _too_long(self, endpoint: str, prompt: int, completion: int) -> OpenAIError:

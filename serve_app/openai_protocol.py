@@ -112,6 +112,7 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
+            logprobs=self.requested_logprobs(),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -119,6 +120,10 @@ class _SamplingFields(_Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
         )
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per sampled token the response reports (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -132,13 +137,14 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
 
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:  # null and 0 are neutral
-            return "logprobs", "logprobs are not supported yet"
         if self.echo:
             return "echo", "echo is not supported yet"
         if self.suffix:
@@ -181,11 +187,14 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported yet"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().unsupported()
 
     @property
@@ -216,18 +225,24 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(
+    text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+def chat_choice(
+    text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
     return {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
 
 
-def chat_delta_choice(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta_choice(
+    delta: dict[str, Any], finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

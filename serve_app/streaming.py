@@ -14,6 +14,7 @@ from typing import Any
 from engine.core.outputs import RequestOutput, merge_queued
 from serve_app import openai_protocol as oai
 from serve_app.delta_channel import DeltaChannels
+from serve_app.logprobs_format import LogprobsFormatter
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool
     started: float = field(default_factory=time.perf_counter)
+    logprobs: LogprobsFormatter | None = None  # when the request asks for them
 
 
 class RequestStream:
@@ -146,13 +148,17 @@ async def sse_events(
                 yield sse(oai.error_body(f"engine error: {out.error}", "server_error"))
                 break
             finish = out.finish_reason if out.finished else None
+            logprobs = (
+                prep.logprobs.format(out.new_token_ids, out.logprobs) if prep.logprobs else None
+            )
             if chat:
-                if out.new_text:
-                    yield event([oai.chat_delta_choice({"content": out.new_text}, None)])
+                if out.new_text or logprobs:
+                    delta = {"content": out.new_text}
+                    yield event([oai.chat_delta_choice(delta, None, logprobs)])
                 if finish:
                     yield event([oai.chat_delta_choice({}, finish)])
-            elif out.new_text or finish:
-                yield event([oai.completion_choice(out.new_text, finish)])
+            elif out.new_text or finish or logprobs:
+                yield event([oai.completion_choice(out.new_text, finish, logprobs)])
     record(last)
     if prep.include_usage and last.finish_reason != "error":
         usage = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
@@ -164,18 +170,21 @@ async def whole_body(
     prep: Prepared, model: str, deltas: AsyncIterator[RequestOutput], first: RequestOutput
 ) -> tuple[dict[str, Any], RequestOutput]:
     """The non-streamed response body from all deltas, and the last delta."""
-    text, last = [], first
+    text, last, token_ids, token_logprobs = [], first, [], []
     async with contextlib.aclosing(deltas) as outs:
         async for out in outs:
             text.append(out.new_text)
+            token_ids += out.new_token_ids
+            token_logprobs += out.logprobs or []
             last = out
     base = {"id": prep.request_id, "created": oai.now(), "model": model}
     content = "".join(text)
+    logprobs = prep.logprobs.format(token_ids, token_logprobs) if prep.logprobs else None
     if prep.endpoint == "chat":
-        choice = oai.chat_choice(content, last.finish_reason)
+        choice = oai.chat_choice(content, last.finish_reason, logprobs)
         body = base | {"object": "chat.completion", "choices": [choice]}
     else:
-        choice = oai.completion_choice(content, last.finish_reason)
+        choice = oai.completion_choice(content, last.finish_reason, logprobs)
         body = base | {"object": "text_completion", "choices": [choice]}
     body["usage"] = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
     return body, last

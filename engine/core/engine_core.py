@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.core.clock import Clock
-from engine.core.outputs import EngineCoreOutput
+from engine.core.outputs import EngineCoreOutput, TokenLogprob
 from engine.core.policy import BatchingPolicy
 from engine.core.scheduler import Scheduler
 
@@ -22,6 +22,7 @@ class StepResult:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     error: str | None = None  # the runner raised: `outputs` are that step's failed requests
     num_scheduled: int = 0  # requests in the step's batch
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of requests that ask
 
 
 class EngineCore:
@@ -47,4 +48,6 @@ class EngineCore:
             return StepResult(self.scheduler.fail_step(sched_out), repr(exc))
         self.scheduler.steps.executed(self.clock.now() - started)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        return StepResult(outputs, num_scheduled=len(sched_out.scheduled))
+        return StepResult(
+            outputs, num_scheduled=len(sched_out.scheduled), logprobs=runner_out.logprobs
+        )

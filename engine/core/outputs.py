@@ -76,9 +76,19 @@ class SchedulerOutput:
         return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (raw logits, before temperature,
+    penalties and filters) and the `logprobs` most likely tokens' (id, log-probability)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that ask
 
 
 @dataclass(slots=True)
@@ -109,6 +119,7 @@ class RequestOutput:
     # On the finished delta: seconds from arrival to first scheduled (None if never run).
     queue_time_s: float | None = None
     num_preemptions: int = 0  # on the finished delta
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
@@ -123,6 +134,11 @@ class RequestOutput:
             error=later.error,
             queue_time_s=later.queue_time_s,
             num_preemptions=later.num_preemptions,
+            logprobs=(
+                (self.logprobs or []) + (later.logprobs or [])
+                if self.logprobs is not None or later.logprobs is not None
+                else None
+            ),
         )
 
 

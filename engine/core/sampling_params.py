@@ -8,6 +8,7 @@ from engine.core.errors import InvalidParam
 
 # Below this a temperature is greedy (as vLLM): dividing logits by it overflows float32.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass
@@ -31,6 +32,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Log-probabilities of the sampled tokens, with this many alternatives each (None: none).
+    logprobs: int | None = None
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -85,6 +88,13 @@ class SamplingParams:
             )
         if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
             raise InvalidParam("logit_bias", "logit_bias keys must be token ids (integers >= 0)")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidParam(
+                "logprobs",
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.top_k, int):

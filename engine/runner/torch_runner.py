@@ -138,8 +138,10 @@ class TorchModelRunner:
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
         sampled = [r for r in order if r.sample]
-        tokens = self.sampler.sample(logits, sampled)
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
+        tokens, logprobs = self.sampler.sample_with_logprobs(logits, sampled)
+        return ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, logprobs
+        )
 
     def _replay(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
         """Logits of the sampled rows of a decode-only step by graph replay, else None."""
