@@ -12,13 +12,11 @@ import torch
 
 from engine.attention.registry import AttentionShape, get_attention_backend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.tiny_model import make_model
 from tests.conftest import REPO
-from tests.engine.oracle import HFOracle
 from tests.engine.test_attention_backend import dense_reference, make_case
-from tests.engine.test_oracle import random_prompts
+from tests.gpu.test_cuda_engine import check_half_precision_serving
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,14 +78,4 @@ def test_the_engine_serves_bfloat16_on_each_cuda_backend(backend_name):
         )
     )
     assert engine.runner.backend.name == backend_name
-    oracle = HFOracle(model)
-    prompts = random_prompts(5, 12, max_len=60)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    results = engine.generate(prompts, params)
-    assert [len(r.token_ids) for r in results] == [20] * len(prompts)
-    first_agree = sum(
-        r.token_ids[0] == oracle.greedy(p, 20)[0] for p, r in zip(prompts, results, strict=True)
-    )
-    assert first_agree >= len(prompts) * 3 // 4
-    kv = engine.scheduler.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks
+    check_half_precision_serving(engine, model)

@@ -114,7 +114,13 @@ def test_bfloat16_on_cuda_serves_and_frees_every_block(tiny_model):
             scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
         )
     )
-    oracle = HFOracle(tiny_model)
+    check_half_precision_serving(engine, tiny_model)
+
+
+def check_half_precision_serving(engine: LLMEngine, model_dir: str) -> None:
+    """Every request gets its tokens, the first ones mostly agree with float32 HF, and every
+    block comes back."""
+    oracle = HFOracle(model_dir)
     prompts = random_prompts(5, 12, max_len=60)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     results = engine.generate(prompts, params)

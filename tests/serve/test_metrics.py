@@ -27,9 +27,24 @@ def total(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> f
     return sum(v for k, v in samples.get(name, {}).items() if want <= set(k))
 
 
+def settled_scrape(base_url: str, period_s: float = 1.5, timeout_s: float = 20.0) -> dict:
+    """A scrape once the counters stop moving across a metrics push (earlier tests' last
+    requests may still be on their way to the board)."""
+    names = ("dynabatch:generation_tokens_total", "dynabatch:request_success_total")
+    deadline = time.monotonic() + timeout_s
+    last = scrape(base_url)
+    while True:
+        time.sleep(period_s)
+        now = scrape(base_url)
+        if all(total(now, name) == total(last, name) for name in names):
+            return now
+        assert time.monotonic() < deadline, "engine counters never settled"
+        last = now
+
+
 def test_engine_metrics_cover_every_replica_and_count_exactly(serve_cluster):
     base = serve_cluster.base_url
-    before = scrape(base)
+    before = settled_scrape(base)
     assert total(before, "dynabatch:num_engine_replicas") == 2
     replicas = {dict(k)["replica"] for k in before["dynabatch:num_requests_running"]}
     assert len(replicas) == 2
