@@ -69,7 +69,8 @@ class DecodeInputs:
         """Write the decodes of `order` into rows 0..len-1 and padding up to `padded`: built on
         the host, copied without waiting (from pinned memory when the buffers are on a GPU)."""
         pad = padded - len(order)
-        width = self.block_table.shape[1]
+        # Only the columns a row's context reaches are read: the rest may hold stale ids.
+        width = max([len(r.block_ids) for r in order] + [1])
         tables = [r.block_ids + [scratch_block] * (width - len(r.block_ids)) for r in order]
         positions = [r.num_computed_tokens for r in order]
         slots = [
@@ -91,7 +92,7 @@ class DecodeInputs:
         targets = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)
         for target, column in zip(targets, columns, strict=True):
             target[:padded].copy_(column, non_blocking=True)
-        self.block_table[:padded].copy_(table, non_blocking=True)
+        self.block_table[:padded, :width].copy_(table, non_blocking=True)
 
 
 def decode_forward(
