@@ -63,7 +63,6 @@ class AttentionBackend(ABC):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
-        block_size: int,
         sliding_window: int | None,
     ) -> object:
         """Metadata of a decode-only step (one new token per row) made from device tensors

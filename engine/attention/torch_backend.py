@@ -86,7 +86,6 @@ class TorchAttentionBackend(AttentionBackend):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
-        block_size: int,
         sliding_window: int | None,
     ) -> TorchAttentionMetadata:
         return TorchAttentionMetadata(

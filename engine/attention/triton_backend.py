@@ -51,7 +51,6 @@ class TritonAttentionBackend(AttentionBackend):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
-        block_size: int,
         sliding_window: int | None,
     ) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(

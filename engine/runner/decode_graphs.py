@@ -74,6 +74,4 @@ class DecodeGraphs:
 
     def _forward(self, rows: DecodeInputs) -> torch.Tensor:
         r = self.runner
-        return decode_forward(
-            r.model, r.backend, rows, r.kv_caches, r.block_size, r.spec.sliding_window
-        )
+        return decode_forward(r.model, r.backend, rows, r.kv_caches, r.spec.sliding_window)

@@ -100,7 +100,6 @@ def decode_forward(
     backend: AttentionBackend,
     inputs: DecodeInputs,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """One decode step over every row of `inputs`: the final hidden states [rows, hidden]
@@ -110,7 +109,6 @@ def decode_forward(
         inputs.block_table,
         inputs.seq_lens,
         inputs.query_start_loc,
-        block_size,
         sliding_window,
     )
     return model(

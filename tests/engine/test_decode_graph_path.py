@@ -57,7 +57,7 @@ def _decode(runner, order, padded: int) -> torch.Tensor:
     inputs = DecodeInputs.allocate(padded, 16, runner.device)
     inputs.fill(order, padded, BLOCK, runner.scratch_block)
     return decode_forward(
-        runner.model, runner.backend, inputs, runner.kv_caches, BLOCK, runner.spec.sliding_window
+        runner.model, runner.backend, inputs, runner.kv_caches, runner.spec.sliding_window
     )
 
 
@@ -103,6 +103,6 @@ def test_the_decode_forward_compiles_whole(setup):
     inputs.fill(order, 8, BLOCK, runner.scratch_block)
     compiled = torch.compile(decode_forward, fullgraph=True, dynamic=False)
     with torch.no_grad():
-        want = decode_forward(runner.model, runner.backend, inputs, runner.kv_caches, BLOCK, None)
-        got = compiled(runner.model, runner.backend, inputs, runner.kv_caches, BLOCK, None)
+        want = decode_forward(runner.model, runner.backend, inputs, runner.kv_caches, None)
+        got = compiled(runner.model, runner.backend, inputs, runner.kv_caches, None)
     torch.testing.assert_close(got[: len(order)], want[: len(order)], rtol=1e-4, atol=1e-4)
