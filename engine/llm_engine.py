@@ -25,6 +25,13 @@ logger = logging.getLogger(__name__)
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
+    # When the request asks: filled by position as its prompt computes (a recomputed chunk
+    # writes the same values again), sent on its first delta, then dropped.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
 
 class LLMEngine:
@@ -139,7 +146,10 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
         )
-        self._tracked[request.request_id] = _Tracked(request, detok)
+        tracked = _Tracked(request, detok)
+        if request.sampling_params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None] * request.num_prompt_tokens
+        self._tracked[request.request_id] = tracked
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -158,6 +168,10 @@ class LLMEngine:
         result = self.core.step()
         if result.error is not None:
             return [self._error_output(o.request_id, result.error) for o in result.outputs]
+        for rid, (position, entries) in result.prompt_logprobs.items():
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                tracked.prompt_logprobs[position : position + len(entries)] = entries
         core_outs = result.outputs
         outputs = []
         stopped = []
@@ -188,6 +202,7 @@ class LLMEngine:
                     ),
                     num_preemptions=req.num_preemptions,
                     logprobs=_logprobs_of(result.logprobs, core.request_id, core.new_token_ids),
+                    prompt_logprobs=tracked.take_prompt_logprobs(),
                 )
             )
             if finish_reason is not None:

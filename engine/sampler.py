@@ -91,15 +91,39 @@ class Sampler:
 def _logprobs(
     raw: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]
 ) -> dict[str, TokenLogprob]:
+    ks = [r.sampling_params.logprobs or 0 for r in requests]
+    entries = token_logprobs(raw, tokens, ks)
+    return {r.request_id: e for r, e in zip(requests, entries, strict=True)}
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, requests: list[ScheduledRequest]
+) -> dict[str, tuple[int, list[TokenLogprob]]]:
+    """Prompt log-probabilities from `logits` [rows, vocab], the rows of the requests with
+    `prompt_targets`, in order: per request, (prompt position of its first entry, entries)."""
+    asking = [r for r in requests if r.prompt_targets]
+    targets = torch.tensor([t for r in asking for t in r.prompt_targets], device=logits.device)
+    ks = [r.sampling_params.prompt_logprobs or 0 for r in asking for _ in r.prompt_targets]
+    entries = token_logprobs(logits.float().log_softmax(-1), targets, ks)
+    out, at = {}, 0
+    for r in asking:
+        count = len(r.prompt_targets)
+        out[r.request_id] = (r.num_computed_tokens + 1, entries[at : at + count])
+        at += count
+    return out
+
+
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """Per row of log-probabilities `raw` [rows, vocab]: the log-probability of `tokens[row]`
+    and the `ks[row]` most likely tokens'."""
     chosen = raw.gather(1, tokens[:, None].to(torch.int64))[:, 0].tolist()
-    k = max(r.sampling_params.logprobs or 0 for r in requests)
+    k = max(ks, default=0)
     top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0])
     values, ids = top_values.tolist(), top_ids.tolist()
-    out = {}
-    for row, r in enumerate(requests):
-        n = r.sampling_params.logprobs or 0
-        top = list(zip(ids[row][:n], values[row][:n], strict=True))
-        out[r.request_id] = TokenLogprob(chosen[row], [(int(t), v) for t, v in top])
+    out = []
+    for row, n in enumerate(ks):
+        top = zip(ids[row][:n], values[row][:n], strict=True)
+        out.append(TokenLogprob(chosen[row], [(int(t), v) for t, v in top]))
     return out
 
 

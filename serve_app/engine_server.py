@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class EngineRejection:
     """Why an engine replica did not take a request; the ingress maps it to an HTTP status."""
 
-    kind: Literal["overloaded", "invalid_request"]
+    kind: Literal["overloaded", "invalid_request", "elsewhere"]
     message: str
     param: str | None = None
 
@@ -93,10 +93,17 @@ class EngineServer:
         trace_context: dict[str, str] | None = None,
         priority: int = 0,
         channel: str | None = None,
+        replica_id: str | None = None,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
         deltas then go through that channel's subscription), then one delta per engine step
-        (coalesced by stream_interval_s), or one EngineRejection."""
+        (coalesced by stream_interval_s), or one EngineRejection. `replica_id` is read by the
+        ingress's request router, which sends the call to that replica (a request's further
+        sequences, to the replica holding its prompt's KV blocks)."""
+        if replica_id is not None and replica_id != self.replica_id:
+            # Serve's router may hand a choice made for another request to this one.
+            yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
+            return
         if self.engine.num_streams >= self.capacity:
             self.num_rejected_total += 1
             yield EngineRejection(

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.errors import InvalidParam
@@ -28,13 +27,14 @@ from serve_app import openai_protocol as oai
 from serve_app import tracing
 from serve_app.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.config import AppArgs
-from serve_app.delta_channel import ChannelledFirst, DeltaChannels
+from serve_app.delta_channel import DeltaChannels
 from serve_app.edge_routes import EdgeState, install_edge
-from serve_app.engine_server import EngineRejection
+from serve_app.engine_client import EngineClient
 from serve_app.errors import OpenAIError, install_error_handlers
 from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.prompts import PromptBuilder
-from serve_app.streaming import Prepared, RequestStream, closing, sse_events, whole_body
+from serve_app.responses import sse_events, whole_body
+from serve_app.streaming import Prepared, closing
 from serve_app.telemetry import IngressMetrics
 
 logger = logging.getLogger(__name__)
@@ -62,12 +62,12 @@ class OpenAIIngress:
         spec = read_spec(self.args.model)
         self.max_model_len = resolve_max_model_len(self.args.engine.max_model_len, spec)
         self.prompts = PromptBuilder(self.args.model)
-        self.engine = engine.options(stream=True)
-        self.channels: DeltaChannels | None = None
+        channels: DeltaChannels | None = None
         if self.args.delta_channels:
             context = serve.get_replica_context()
             replica = context.replica_id.unique_id if context else "local"
-            self.channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
+            channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
+        self.client = EngineClient(engine, channels, self.args.retry_after_s)
         self.metrics = IngressMetrics(self.model_name)
         self.controller = controller
         self.metrics_board = metrics_board
@@ -131,50 +131,35 @@ class OpenAIIngress:
             span = scope.enter_context(
                 tracing.request_span(self.tracer, f"POST {path}", attributes, kind="SERVER")
             )
-            stream = None
             headers = {}
             try:
                 ignored = self._ignored(body)
                 if ignored:
                     headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
                 prep = self._prepare(endpoint, body)
-                stream = RequestStream(prep.request_id, self.channels)
-                stream.call = self.engine.generate.remote(
-                    prep.request_id,
-                    prep.prompt_token_ids,
-                    prep.params,
-                    span.carrier(),
-                    body.priority,
-                    stream.channel_id,
+                choices = await self.client.start_choices(
+                    prep, body.num_sequences, span.carrier(), body.priority
                 )
-                first = await self._first(stream)
             except OpenAIError as exc:
-                if stream is not None:
-                    stream.close()
                 self.metrics.answered(endpoint, exc.status)
                 span.set({"http.response.status_code": exc.status})
                 response = exc.response()
                 response.headers.update(headers)
                 return response
-            except asyncio.CancelledError:  # the client left before the first token
-                if stream is not None:
-                    stream.close()
-                    if stream.call is not None:
-                        stream.call.cancel()
-                raise
             record = partial(self._record, prep, span, time.perf_counter() - prep.started)
-            deltas = stream.deltas(first)
             if body.stream:
                 self.metrics.answered(endpoint, 200)
-                events = sse_events(prep, body.model, deltas, first, record)
+                events = sse_events(prep, body.model, choices, record)
                 # The response's body outlives this call: it ends the span when it ends.
                 events = closing(events, scope.pop_all())
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            whole, last = await whole_body(prep, body.model, deltas, first)
-            record(last)
-            if last.finish_reason == "error":
+            whole, lasts = await whole_body(prep, body.model, choices)
+            record(lasts)
+            failed = [last for last in lasts if last.finish_reason == "error"]
+            if failed:
                 self.metrics.answered(endpoint, 500)
-                return OpenAIError.server_error(500, f"engine error: {last.error}").response()
+                message = f"engine error: {failed[0].error}"
+                return OpenAIError.server_error(500, message).response()
             self.metrics.answered(endpoint, 200)
             return JSONResponse(whole, headers=headers)
 
@@ -192,6 +177,13 @@ class OpenAIIngress:
         unsupported = body.unsupported()
         if unsupported is not None:
             raise OpenAIError(400, unsupported[1], param=unsupported[0])
+        if body.num_sequences > self.args.replica_capacity:
+            field = "n" if body.num_sequences == body.n else "best_of"
+            message = (
+                f"{field}: at most {self.args.replica_capacity} sequences per request here "
+                "(an engine replica's capacity)"
+            )
+            raise OpenAIError(400, message, param=field)
         try:
             if isinstance(body, oai.ChatCompletionRequest):
                 if len(body.messages) > self.args.api.max_messages:
@@ -201,7 +193,8 @@ class OpenAIIngress:
                 prompt_ids = self.prompts.chat(body.messages)
                 requested = body.requested_max_tokens
             else:
-                prompt_ids = self.prompts.completion(body.single_prompt())
+                prompt = body.single_prompt()
+                prompt_ids = self.prompts.completion(prompt)
                 requested = body.max_tokens if body.max_tokens is not None else 16
             if not prompt_ids:
                 raise InvalidParam("prompt", "prompt: must not be empty")
@@ -212,6 +205,15 @@ class OpenAIIngress:
             params = body.sampling_params(max_tokens)
         except InvalidParam as exc:
             raise OpenAIError.bad_request(exc) from None
+        formatter = None
+        if params.logprobs is not None:
+            formatter = LogprobsFormatter(self.prompts.tokenizer, endpoint == "chat")
+        elif body.num_sequences > body.n:  # best_of ranks sequences by their log-probability
+            params.logprobs = 0
+        echo_text = None
+        if getattr(body, "echo", False):  # completions only: the prompt as sent, or decoded
+            echo_text = prompt if isinstance(prompt, str) else self.prompts.tokenizer.decode(prompt)
+            params.prompt_logprobs = body.requested_logprobs()
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         return Prepared(
             oai.new_id(prefix),
@@ -220,11 +222,9 @@ class OpenAIIngress:
             endpoint,
             body.include_usage,
             body.continuous_usage,
-            logprobs=(
-                LogprobsFormatter(self.prompts.tokenizer, endpoint == "chat")
-                if params.logprobs is not None
-                else None
-            ),
+            logprobs=formatter,
+            n=body.n,
+            echo_text=echo_text,
         )
 
     def _too_long(self, endpoint: str, prompt: int, completion: int) -> OpenAIError:
@@ -237,55 +237,22 @@ class OpenAIIngress:
             code="context_length_exceeded",
         )
 
-    async def _first(self, stream: RequestStream) -> RequestOutput:
-        """The engine's first delta, or the HTTP error its rejection or failure stands for."""
-        try:
-            first = await anext(stream.call)
-        except BackPressureError as exc:
-            raise self._overloaded(str(exc)) from None
-        except StopAsyncIteration:
-            message = "engine ended the request without output"
-            raise OpenAIError.server_error(500, message) from None
-        except Exception as exc:  # replica died or is unreachable
-            logger.exception("engine call failed")
-            message = f"engine unavailable: {type(exc).__name__}"
-            raise OpenAIError.server_error(503, message) from None
-        if isinstance(first, EngineRejection):
-            if first.kind == "overloaded":
-                raise self._overloaded(first.message)
-            raise OpenAIError(400, first.message, param=first.param)
-        if isinstance(first, ChannelledFirst):
-            stream.attach(first.replica_id)
-            return first.output
-        stream.on_call()  # an engine replica without channels streams on the call itself
-        return first
-
-    def _overloaded(self, message: str) -> OpenAIError:
-        return OpenAIError(
-            429,
-            message,
-            err_type="rate_limit_error",
-            code="overloaded",
-            headers={"Retry-After": str(self.args.retry_after_s)},
-        )
-
     def _record(
-        self, prep: Prepared, span: tracing.RequestSpan, ttft: float, last: RequestOutput
+        self, prep: Prepared, span: tracing.RequestSpan, ttft: float, lasts: list[RequestOutput]
     ) -> None:
-        span.finish_reason = last.finish_reason or "abort"
+        """One request, whatever its number of sequences: the first's finish reason, the
+        prompt once, every sequence's completion tokens."""
+        reason = lasts[0].finish_reason
+        prompt = lasts[0].num_prompt_tokens
+        completion = sum(last.num_output_tokens for last in lasts)
+        span.finish_reason = reason or "abort"
         span.set(
             {
                 "dynabatch.request_id": prep.request_id,
                 "http.response.status_code": 200,
-                "gen_ai.usage.input_tokens": last.num_prompt_tokens,
-                "gen_ai.usage.output_tokens": last.num_output_tokens,
+                "gen_ai.usage.input_tokens": prompt,
+                "gen_ai.usage.output_tokens": completion,
                 "dynabatch.ttft_s": ttft,
             }
         )
-        self.metrics.completed(
-            last.num_prompt_tokens,
-            last.num_output_tokens,
-            last.finish_reason,
-            ttft,
-            time.perf_counter() - prep.started,
-        )
+        self.metrics.completed(prompt, completion, reason, ttft, time.perf_counter() - prep.started)

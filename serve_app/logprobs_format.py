@@ -15,8 +15,11 @@ class LogprobsFormatter:
         self.chat = chat
         self.text_offset = 0  # completions: where the next token's text starts
 
-    def format(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> dict | None:
-        """The object for these tokens (the next ones of the request)."""
+    def format(
+        self, token_ids: list[int], logprobs: list[TokenLogprob | None] | None
+    ) -> dict | None:
+        """The object for these tokens (the next ones of the request). A None entry (an echoed
+        prompt's first token, which nothing predicts) has null logprobs."""
         if not logprobs:
             return None
         pairs = list(zip(token_ids, logprobs, strict=True))
@@ -31,13 +34,15 @@ class LogprobsFormatter:
         for token, lp in pairs:
             piece = self._piece(token)
             out["tokens"].append(piece)
-            out["token_logprobs"].append(lp.logprob)
-            # As vLLM: the sampled token is always there, with up to `logprobs` others.
-            top = {self._piece(t): v for t, v in lp.top}
-            top.setdefault(piece, lp.logprob)
-            out["top_logprobs"].append(top)
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(piece)
+            top = None
+            if lp is not None:
+                # As vLLM: the sampled token is always there, with up to `logprobs` others.
+                top = {self._piece(t): v for t, v in lp.top}
+                top.setdefault(piece, lp.logprob)
+            out["token_logprobs"].append(lp.logprob if lp is not None else None)
+            out["top_logprobs"].append(top)
         return out
 
     def _chat_entry(self, token: int, lp: TokenLogprob) -> dict[str, Any]:

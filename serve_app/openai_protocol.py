@@ -53,7 +53,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     # vLLM's extension: with the engine's scheduling_policy "priority", lower runs first.
     priority: int = Field(0, ge=-(2**31), lt=2**31)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted at their neutral values only (structured outputs and tools are not served yet).
@@ -81,8 +81,6 @@ class _SamplingFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) of the first field we accept syntactically but cannot honour."""
-        if self.n != 1:
-            return "n", "n > 1 is not supported yet; send one request per completion"
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             return "response_format", f"response_format {kind!r} is not supported yet"
@@ -126,6 +124,11 @@ class _SamplingFields(_Body):
         return None
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates for this request (`n`, or `best_of` to pick from)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -139,18 +142,22 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_sequences(self) -> int:
+        return max(self.best_of or 1, self.n)
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported yet"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of > 1 is not supported yet"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.stream and self.num_sequences > self.n:
+            return "best_of", "best_of > n cannot be streamed (as OpenAI)"
         return super().unsupported()
 
     def single_prompt(self) -> str | list[int]:
@@ -226,16 +233,16 @@ def error_body(
 
 
 def completion_choice(
-    text: str, finish_reason: str | None, logprobs: dict | None = None
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
 ) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_choice(
-    text: str, finish_reason: str | None, logprobs: dict | None = None
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
 ) -> dict[str, Any]:
     return {
-        "index": 0,
+        "index": index,
         "message": {"role": "assistant", "content": text},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
@@ -243,6 +250,6 @@ def chat_choice(
 
 
 def chat_delta_choice(
-    delta: dict[str, Any], finish_reason: str | None, logprobs: dict | None = None
+    index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict | None = None
 ) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,18 +1,16 @@
-"""A request's deltas on their way from an engine replica to the client: the per-request
-stream (its own handle call, or its queue on a delta channel) and the SSE framing."""
+"""A request's deltas on their way from an engine replica to the ingress: the per-request
+stream (its own handle call, or its queue on a delta channel)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.outputs import RequestOutput, merge_queued
-from serve_app import openai_protocol as oai
 from serve_app.delta_channel import DeltaChannels
 from serve_app.logprobs_format import LogprobsFormatter
 
@@ -29,6 +27,8 @@ class Prepared:
     continuous_usage: bool
     started: float = field(default_factory=time.perf_counter)
     logprobs: LogprobsFormatter | None = None  # when the request asks for them
+    n: int = 1  # choices in the response
+    echo_text: str | None = None  # completions' `echo`: the prompt, before each choice's text
 
 
 class RequestStream:
@@ -107,87 +107,6 @@ class RequestStream:
         except Exception as exc:
             assert self.channels is not None
             self.channels.fail(self.request_id, exc)
-
-
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-async def sse_events(
-    prep: Prepared,
-    model: str,
-    deltas: AsyncIterator[RequestOutput],
-    first: RequestOutput,
-    record: Callable[[RequestOutput], None],
-) -> AsyncIterator[str]:
-    """OpenAI's stream: chunks, an optional usage chunk, then `data: [DONE]`; an engine error
-    is an error event, never a cut stream. `record(last)` runs once the deltas end."""
-    chat = prep.endpoint == "chat"
-    base = {
-        "id": prep.request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": oai.now(),
-        "model": model,
-    }
-    if prep.include_usage:
-        base["usage"] = None
-    last = first
-
-    def event(choices: list[dict[str, Any]]) -> str:
-        chunk = base | {"choices": choices}
-        if prep.continuous_usage:  # usage so far on every chunk (vLLM's extension)
-            chunk["usage"] = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
-        return sse(chunk)
-
-    if chat:
-        yield event([oai.chat_delta_choice({"role": "assistant", "content": ""}, None)])
-    async with contextlib.aclosing(deltas) as outs:
-        async for out in outs:
-            last = out
-            if out.finish_reason == "error":
-                yield sse(oai.error_body(f"engine error: {out.error}", "server_error"))
-                break
-            finish = out.finish_reason if out.finished else None
-            logprobs = (
-                prep.logprobs.format(out.new_token_ids, out.logprobs) if prep.logprobs else None
-            )
-            if chat:
-                if out.new_text or logprobs:
-                    delta = {"content": out.new_text}
-                    yield event([oai.chat_delta_choice(delta, None, logprobs)])
-                if finish:
-                    yield event([oai.chat_delta_choice({}, finish)])
-            elif out.new_text or finish or logprobs:
-                yield event([oai.completion_choice(out.new_text, finish, logprobs)])
-    record(last)
-    if prep.include_usage and last.finish_reason != "error":
-        usage = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
-        yield sse(base | {"choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
-
-
-async def whole_body(
-    prep: Prepared, model: str, deltas: AsyncIterator[RequestOutput], first: RequestOutput
-) -> tuple[dict[str, Any], RequestOutput]:
-    """The non-streamed response body from all deltas, and the last delta."""
-    text, last, token_ids, token_logprobs = [], first, [], []
-    async with contextlib.aclosing(deltas) as outs:
-        async for out in outs:
-            text.append(out.new_text)
-            token_ids += out.new_token_ids
-            token_logprobs += out.logprobs or []
-            last = out
-    base = {"id": prep.request_id, "created": oai.now(), "model": model}
-    content = "".join(text)
-    logprobs = prep.logprobs.format(token_ids, token_logprobs) if prep.logprobs else None
-    if prep.endpoint == "chat":
-        choice = oai.chat_choice(content, last.finish_reason, logprobs)
-        body = base | {"object": "chat.completion", "choices": [choice]}
-    else:
-        choice = oai.completion_choice(content, last.finish_reason, logprobs)
-        body = base | {"object": "text_completion", "choices": [choice]}
-    body["usage"] = oai.usage(last.num_prompt_tokens, last.num_output_tokens)
-    return body, last
 
 
 async def closing(events: AsyncIterator[str], scope: contextlib.ExitStack) -> AsyncIterator[str]:

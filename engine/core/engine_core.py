@@ -23,6 +23,8 @@ class StepResult:
     error: str | None = None  # the runner raised: `outputs` are that step's failed requests
     num_scheduled: int = 0  # requests in the step's batch
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of requests that ask
+    # Of requests that ask: (prompt position of the first entry, entries).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -49,5 +51,8 @@ class EngineCore:
         self.scheduler.steps.executed(self.clock.now() - started)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return StepResult(
-            outputs, num_scheduled=len(sched_out.scheduled), logprobs=runner_out.logprobs
+            outputs,
+            num_scheduled=len(sched_out.scheduled),
+            logprobs=runner_out.logprobs,
+            prompt_logprobs=runner_out.prompt_logprobs,
         )

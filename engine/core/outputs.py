@@ -26,6 +26,10 @@ class ScheduledRequest:
     # Prompt + output tokens so far, for penalties (only when they apply and this step
     # samples; the last num_output_tokens are the output).
     seen_token_ids: list[int] | None = None
+    # Prompt log-probabilities (when asked, while positions before the prompt's last are
+    # computed): the prompt tokens this step's positions predict, one per position from the
+    # first.
+    prompt_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +45,10 @@ class ScheduledRequest:
         banned: tuple[int, ...] = ()
         if sample and request.num_output_tokens < params.min_tokens:
             banned = tuple(sorted(request.stop_token_ids))
+        targets = None
+        last_prompt = request.num_prompt_tokens - 1
+        if params.prompt_logprobs is not None and start < last_prompt:
+            targets = request.all_token_ids[start + 1 : min(start + n, last_prompt) + 1]
         return cls(
             request.request_id,
             request.all_token_ids[start : start + n],
@@ -51,6 +59,7 @@ class ScheduledRequest:
             request.num_output_tokens,
             banned,
             request.all_token_ids if sample and params.penalized else None,
+            targets,
         )
 
 
@@ -89,6 +98,8 @@ class TokenLogprob:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that ask
+    # Requests that ask for prompt logprobs: (prompt position of the first, one per position).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -120,6 +131,8 @@ class RequestOutput:
     queue_time_s: float | None = None
     num_preemptions: int = 0  # on the finished delta
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
+    # On the first delta, when the request asks: one per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
@@ -139,6 +152,7 @@ class RequestOutput:
                 if self.logprobs is not None or later.logprobs is not None
                 else None
             ),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

@@ -34,6 +34,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Log-probabilities of the sampled tokens, with this many alternatives each (None: none).
     logprobs: int | None = None
+    # The same for the prompt's tokens after its first (a request asking for them computes
+    # its whole prompt: no prefix cache hit).
+    prompt_logprobs: int | None = None
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -88,13 +91,12 @@ class SamplingParams:
             )
         if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
             raise InvalidParam("logit_bias", "logit_bias keys must be token ids (integers >= 0)")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidParam(
-                "logprobs",
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidParam(
+                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.top_k, int):

@@ -17,7 +17,7 @@ from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.weight_loader import load_decoder
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_budget import kv_cache_budget
-from engine.sampler import Sampler
+from engine.sampler import Sampler, prompt_token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +138,20 @@ class TorchModelRunner:
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
         sampled = [r for r in order if r.sample]
+        prompt_logprobs = {}
+        if len(logits) > len(sampled):  # rows for prompt logprobs follow the sampled rows
+            prompt_logprobs = prompt_token_logprobs(logits[len(sampled) :], order)
+            logits = logits[: len(sampled)]
         tokens, logprobs = self.sampler.sample_with_logprobs(logits, sampled)
         return ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}, logprobs
+            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)},
+            logprobs,
+            prompt_logprobs,
         )
 
     def _replay(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
         """Logits of the sampled rows of a decode-only step by graph replay, else None."""
-        if any(r.num_tokens != 1 for r in order):
+        if any(r.num_tokens != 1 or r.prompt_targets for r in order):
             return None
         assert self.graphs is not None
         logits = self.graphs.run(order)
@@ -186,9 +192,11 @@ class TorchModelRunner:
         shift = torch.tensor(starts) - torch.tensor(offsets[:-1])
         positions = torch.arange(offsets[-1]) + shift[req_idx]
         slots = block_table[req_idx, positions // bs] * bs + positions % bs
-        logits_indices = torch.tensor(
-            [offsets[i + 1] - 1 for i, r in enumerate(order) if r.sample], dtype=torch.long
-        )
+        # The sampled rows, then the rows whose prompt logprobs are asked for.
+        rows = [offsets[i + 1] - 1 for i, r in enumerate(order) if r.sample]
+        for i, r in enumerate(order):
+            rows += range(offsets[i], offsets[i] + len(r.prompt_targets or ()))
+        logits_indices = torch.tensor(rows, dtype=torch.long)
         dev = self.device
         layout = BatchLayout(
             num_decodes=sum(1 for c in counts if c == 1),

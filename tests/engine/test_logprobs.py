@@ -3,6 +3,8 @@ same model over the same prefix (raw logits: temperature and penalties do not ch
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from engine.core.sampling_params import SamplingParams
@@ -54,3 +56,25 @@ def test_logprobs_match_transformers_log_softmax(tiny_model):
             )
             if p.greedy:
                 assert lp.top[0][0] == token
+
+
+def test_prompt_logprobs_match_the_oracle_across_chunks_and_cached_prefixes(tiny_model):
+    # 16-token chunks: a 40-token prompt computes in three steps. The prompt runs twice; the
+    # second time its blocks are in the prefix cache, and it must still compute them all.
+    engine = build_engine(tiny_model, 4, 200, max_num_seqs=4, max_num_batched_tokens=16)
+    oracle = HFOracle(tiny_model)
+    prompt = [random.Random(1).randrange(4096) for _ in range(40)]
+    with torch.no_grad():
+        want = oracle.model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for run in range(2):
+        engine.add_request(f"p{run}", prompt, SamplingParams(max_tokens=3, prompt_logprobs=2))
+        firsts = []
+        while engine.has_unfinished_requests():
+            firsts += [o for o in engine.step() if o.prompt_logprobs is not None]
+        assert len(firsts) == 1 and firsts[0].num_output_tokens == 1  # on the first delta only
+        entries = firsts[0].prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        for pos in range(1, len(prompt)):
+            row = want[pos - 1]
+            assert abs(entries[pos].logprob - float(row[prompt[pos]])) < 1e-4
+            assert [t for t, _ in entries[pos].top] == torch.topk(row, 2).indices.tolist()

@@ -1,5 +1,5 @@
 """What real clients send is served: the exact request bodies of the field's load tools and
-SDK wrappers (vLLM's bench, GuideLLM, AIPerf, LangChain; written from their public source),
+SDK wrappers (vLLM's bench, GuideLLM, AIPerf, LangChain, LiteLLM; written from their public source),
 each answered 200 in the shape that client parses; unknown fields ignored and named in a
 header; the sampling fields they carry."""
 
@@ -34,6 +34,25 @@ VLLM_BENCH_CHAT = {
     "max_completion_tokens": 8,
     "stream": True,
     "stream_options": {"include_usage": True},
+    "ignore_eos": True,
+}
+# LiteLLM's hosted_vllm provider (litellm/llms/hosted_vllm/chat/transformation.py over
+# OpenAIGPTConfig): the OpenAI SDK's body with the caller's parameters; Anthropic-style
+# `thinking` arrives as `reasoning_effort` (not served: ignored and named).
+LITELLM_CHAT = {
+    "model": "tiny",
+    "messages": CHAT,
+    "temperature": 0.2,
+    "max_tokens": 8,
+    "reasoning_effort": "low",
+}
+LITELLM_CHAT_STREAM = {
+    "model": "tiny",
+    "messages": CHAT,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_tokens": 8,
+    "n": 2,
     "ignore_eos": True,
 }
 # LangChain's ChatOpenAI (langchain_openai/chat_models/base.py `_default_params` + messages):
@@ -116,6 +135,8 @@ def _sse(resp: httpx.Response) -> list[dict]:
         # A chat field on a completion: ignored (max_tokens already says the same).
         ("completions", GUIDELLM_COMPLETIONS, "max_completion_tokens"),
         ("chat/completions", GUIDELLM_CHAT, ""),
+        ("chat/completions", LITELLM_CHAT, "reasoning_effort"),
+        ("chat/completions", LITELLM_CHAT_STREAM, ""),
         (
             "chat/completions",
             NEUTRAL_EVERYTHING,
@@ -130,6 +151,8 @@ def _sse(resp: httpx.Response) -> list[dict]:
         "aiperf",
         "guidellm",
         "guidellm-chat",
+        "litellm",
+        "litellm-stream-n2",
         "neutral",
     ],
 )
@@ -147,7 +170,8 @@ def test_client_bodies_are_served_in_the_shape_they_parse(serve_cluster, path, b
         assert any(texts)
         usage = chunks[-1]["usage"]  # what vLLM's bench counts output tokens from
         if body.get("ignore_eos"):
-            assert usage["completion_tokens"] == body.get("max_tokens", 8)
+            want = body.get("max_tokens", 8) * body.get("n", 1)
+            assert usage["completion_tokens"] == want
     else:
         choice = resp.json()["choices"][0]
         assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
