@@ -105,7 +105,7 @@ def install_edge(app: FastAPI) -> None:
 
     @app.middleware("http")
     async def edge_checks(request: Request, call_next) -> Response:
-        """API keys, then the body size (declared), before anything is read or parsed."""
+        """API keys, then the body size, before anything is parsed."""
         edge: EdgeState | None = getattr(request.app.state, "edge", None)
         if edge is None:
             return await call_next(request)
@@ -119,10 +119,24 @@ def install_edge(app: FastAPI) -> None:
         ):
             message = "a valid API key is required: Authorization: Bearer <key>"
             return OpenAIError(401, message, code="invalid_api_key").response()
+        limit = edge.api.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit():
-            limit = edge.api.max_request_bytes
             if int(declared) > limit:
-                message = f"request body of {declared} bytes is over the limit of {limit}"
-                return OpenAIError(413, message, code="request_too_large").response()
+                return _too_large(f"request body of {declared} bytes", limit)
+        elif request.method in ("POST", "PUT", "PATCH"):
+            # No declared size (a chunked body): read it here, no further than the limit;
+            # the routes then get the body read (Starlette hands it on).
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return _too_large(f"request body of over {limit} bytes (chunked)", limit)
+                chunks.append(chunk)
+            request._body = b"".join(chunks)
         return await call_next(request)
+
+
+def _too_large(what: str, limit: int) -> Response:
+    message = f"{what} is over the limit of {limit}"
+    return OpenAIError(413, message, code="request_too_large").response()

@@ -3,11 +3,13 @@ field, and the server keeps serving."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import NARROW_AUTH
+from tests.local_serve import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -135,6 +137,19 @@ def test_oversized_bodies_and_unknown_routes_get_openais_error_body(serve_cluste
     resp = httpx.post(f"{serve_cluster.v1()}/completions", json=big)
     assert resp.status_code == 413
     assert _error(resp)["code"] == "request_too_large"
+    # Chunked, with no Content-Length: counted as it arrives.
+    encoded = json.dumps(big).encode()
+    pieces = (encoded[i : i + (1 << 20)] for i in range(0, len(encoded), 1 << 20))
+    resp = httpx.post(f"{serve_cluster.v1()}/completions", content=pieces)
+    assert resp.status_code == 413
+    assert _error(resp)["code"] == "request_too_large"
+    small = json.dumps({"model": "tiny", "prompt": "chunked", "max_tokens": 2}).encode()
+    resp = httpx.post(
+        f"{serve_cluster.v1()}/completions",
+        content=iter([small[:10], small[10:]]),
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code == 200, resp.text
     resp = httpx.get(f"{serve_cluster.v1()}/no-such-route")
     assert resp.status_code == 404
     _error(resp)
