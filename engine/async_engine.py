@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput, merge_queued
-from engine.core.request import Request
+from engine.core.request import Request, Resume
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -37,6 +37,7 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         # Wall time inside engine.step(): against elapsed time it says how busy the engine is.
         self.step_seconds_total = 0.0
+        self._step_started: float | None = None
 
     async def generate(
         self,
@@ -44,11 +45,12 @@ class AsyncLLMEngine:
         params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        resume: Resume | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already in use")
         # ValueError: bad input
-        request = self.engine.make_request(request_id, prompt, params, priority)
+        request = self.engine.make_request(request_id, prompt, params, priority, resume)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._pending_adds.append(request)
@@ -106,10 +108,18 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------------ the loop
     def _timed_step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        self._step_started = time.monotonic()
         try:
             return self.engine.step()
         finally:
+            self._step_started = None
             self.step_seconds_total += time.perf_counter() - start
+
+    @property
+    def step_running_s(self) -> float:
+        """How long the step running now has run (0 between steps): a stuck device shows."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def _kick(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -146,6 +156,7 @@ class AsyncLLMEngine:
                 outputs = await loop.run_in_executor(self._executor, self._timed_step)
             except Exception as exc:  # the engine itself broke: fail every open stream
                 logger.exception("engine step raised")
+                self.engine.num_failed_steps_in_a_row += 1
                 for stream in self._streams.values():
                     stream.put_nowait(exc)
                 self.engine.abort(list(self._streams))

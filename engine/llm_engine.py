@@ -12,7 +12,7 @@ from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats, TokenLogprob
 from engine.core.policy import BatchingPolicy
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
@@ -77,6 +77,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_config, kv, self.clock)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)
         self._tracked: dict[str, _Tracked] = {}
+        # Steps whose forward raised, since the last that ran: a replica's health reads it.
+        self.num_failed_steps_in_a_row = 0
         self._generate_calls = 0
 
     @property
@@ -111,6 +113,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        resume: Resume | None = None,
     ) -> Request:
         """Validate and tokenize without touching engine state (safe from any thread)."""
         params = params or SamplingParams()
@@ -130,6 +133,12 @@ class LLMEngine:
                 )
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(request)
+        if resume is not None:
+            done = resume.output_token_ids
+            bad = next((t for t in done if not 0 <= t < vocab), None)
+            if bad is not None or len(done) >= params.max_tokens:
+                raise InvalidParam("resume", "resume: not the output of an unfinished request")
+            request.resume_from(resume)
         return request
 
     def add_request(
@@ -146,6 +155,9 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
         )
+        if request.resumed is not None:  # the text so far, of which the client has some
+            detok.update(request.resumed.output_token_ids, finished=False)
+            detok.emitted = request.resumed.num_text_chars
         tracked = _Tracked(request, detok)
         if request.sampling_params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None] * request.num_prompt_tokens
@@ -167,7 +179,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         result = self.core.step()
         if result.error is not None:
+            self.num_failed_steps_in_a_row += 1
             return [self._error_output(o.request_id, result.error) for o in result.outputs]
+        if result.num_scheduled:
+            self.num_failed_steps_in_a_row = 0
         for rid, (position, entries) in result.prompt_logprobs.items():
             tracked = self._tracked.get(rid)
             if tracked is not None and tracked.prompt_logprobs is not None:

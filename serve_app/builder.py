@@ -56,6 +56,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     engine = EngineServer.options(
         **scaling,
         max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
+        health_check_period_s=app_args.health.check_period_s,
+        health_check_timeout_s=app_args.health.check_timeout_s,
+        graceful_shutdown_timeout_s=app_args.health.graceful_shutdown_timeout_s,
         ray_actor_options=actor_options,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_app.router:LoadAwareRouter",

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from serve_app.api_policy import ApiArgs
+from serve_app.replica_health import HealthArgs
 from serve_app.tracing import TracingArgs
 
 
@@ -217,6 +218,14 @@ class AppArgs(_Strict):
         "are answered 429 with Retry-After.",
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429.")
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="How long a request waits for an engine replica to take it: at its start "
+        "while none answers, and after its replica died mid-stream (it then resumes at another "
+        "from the tokens already sent). Past it, a stream ends with an error event and "
+        "`data: [DONE]`, a whole response is a 503.",
+    )
     stream_interval_s: float = Field(
         0.0,
         ge=0.0,
@@ -232,6 +241,7 @@ class AppArgs(_Strict):
         "request per step on the request's own handle call).",
     )
     api: ApiArgs = Field(default_factory=ApiArgs, description="What the OpenAI API lets in.")
+    health: HealthArgs = Field(default_factory=HealthArgs, description="Engine replica health.")
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")
     engine_replicas: ReplicaArgs = Field(
         default_factory=ReplicaArgs,

@@ -1,19 +1,30 @@
-"""EngineClient: the ingress's side of a request at the engine replicas. It starts each
-sequence of a request, waits for its first delta (or raises the HTTP error that a rejection
-or failure stands for), and sends a request's other sequences (`n`, `best_of`) to the replica
-that computed the first one's prompt, once it has: they find the prompt's full KV blocks in
-that replica's prefix cache, and share them, instead of computing them again."""
+"""EngineClient: the ingress's side of a request at the engine replicas.
+
+It starts each sequence of a request and waits for its first delta (or raises the HTTP error
+that a rejection or failure stands for). A request's other sequences (`n`, `best_of`) go to
+the replica that computed the first one's prompt, once it has: they find the prompt's full KV
+blocks in that replica's prefix cache and share them instead of computing them again.
+
+A sequence outlives its replica: when the replica dies mid-stream, the sequence resumes at
+another one from the tokens the client already has (engine.core.request.Resume), so the
+client's stream goes on with no token repeated or missing; greedy and seeded sequences give
+exactly the tokens of an undisturbed run (a draw depends only on the seed and its index).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import time
+from collections.abc import AsyncIterator, Callable
 
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.outputs import RequestOutput
+from engine.core.request import Resume
 from engine.core.sampling_params import SamplingParams
 from serve_app.delta_channel import ChannelledFirst, DeltaChannels
 from serve_app.engine_server import EngineRejection
@@ -25,10 +36,25 @@ logger = logging.getLogger(__name__)
 
 # Sends of a sequence pinned to a replica that reach another one, before it goes anywhere.
 _PINNED_TRIES = 4
+# Pauses between sends while no engine replica takes a sequence (doubling up to the last).
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 1.0
 
 
 class _Elsewhere(Exception):
     """A pinned sequence reached another replica than the one it was sent to."""
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One sequence of a request, as the engine replicas get it."""
+
+    prep: Prepared
+    request_id: str
+    params: SamplingParams
+    trace: dict[str, str]
+    priority: int
+    deadline: float  # monotonic: no replica took it by then, it fails
+    num_sends: int = 0
 
 
 @dataclasses.dataclass
@@ -46,25 +72,37 @@ class Started:
 
 class EngineClient:
     def __init__(
-        self, engine: DeploymentHandle, channels: DeltaChannels | None, retry_after_s: float
+        self,
+        engine: DeploymentHandle,
+        channels: DeltaChannels | None,
+        retry_after_s: float,
+        request_timeout_s: float,
+        on_resume: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine.options(stream=True)
         self.channels = channels
         self.retry_after_s = retry_after_s
+        self.request_timeout_s = request_timeout_s
+        self.on_resume = on_resume  # a sequence resumes at another replica (metrics)
 
     async def start_choices(
         self, prep: Prepared, count: int, trace: dict[str, str], priority: int
     ) -> list[Choice]:
         """`count` sequences of `prep` (seeded ones with seeds seed, seed + 1, ...): the first,
         then the others at its replica. Any failure cancels those already started."""
-        first = await self._start_sequence(prep, 0, count, trace, priority, None)
+        deadline = time.monotonic() + self.request_timeout_s
+        sequences = []
+        for i in range(count):
+            params = prep.params
+            if i and params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            request_id = prep.request_id if count == 1 else f"{prep.request_id}-{i}"
+            sequences.append(_Sequence(prep, request_id, params, trace, priority, deadline))
+        first = await self._start(sequences[0], None)
         started = [first]
         try:
             rest = await asyncio.gather(
-                *(
-                    self._start_sequence(prep, i, count, trace, priority, first.replica_id)
-                    for i in range(1, count)
-                ),
+                *(self._start(s, first.replica_id) for s in sequences[1:]),
                 return_exceptions=True,
             )
             started += [s for s in rest if isinstance(s, Started)]
@@ -75,48 +113,87 @@ class EngineClient:
             for s in started:
                 s.cancel()
             raise
-        return [Choice(i, s.first, s.stream.deltas(s.first)) for i, s in enumerate(started)]
+        return [
+            Choice(i, s.first, self._resumable(seq, s))
+            for i, (seq, s) in enumerate(zip(sequences, started, strict=True))
+        ]
 
-    async def _start_sequence(
-        self,
-        prep: Prepared,
-        index: int,
-        count: int,
-        trace: dict[str, str],
-        priority: int,
-        replica_id: str | None,
-    ) -> Started:
-        request_id = prep.request_id if count == 1 else f"{prep.request_id}-{index}"
-        params = prep.params
-        if index and params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + index)
+    async def _start(self, seq: _Sequence, replica_id: str | None) -> Started:
         for _ in range(_PINNED_TRIES if replica_id is not None else 0):
             try:
-                return await self._send(request_id, prep, params, trace, priority, replica_id)
+                return await self._send(seq, replica_id)
             except _Elsewhere:
                 continue
-        # Unpinned: correct anywhere, only without the shared prompt blocks.
-        return await self._send(request_id, prep, params, trace, priority, None)
+        # Unpinned: correct anywhere, only without the shared prompt blocks. A replica that
+        # is unreachable (dying, restarting) is tried again; a full one is the client's 429.
+        return await self._send_until_taken(seq, None, retry=(503,))
+
+    async def _resumable(self, seq: _Sequence, started: Started) -> AsyncIterator[RequestOutput]:
+        """The sequence's deltas, from one replica after another while replicas die."""
+        tokens: list[int] = []
+        chars = 0
+        while True:
+            try:
+                async with contextlib.aclosing(started.stream.deltas(started.first)) as outs:
+                    async for out in outs:
+                        tokens += out.new_token_ids
+                        chars += len(out.new_text)
+                        yield out
+                return
+            except Exception as exc:  # its replica died (an engine error is a delta)
+                logger.warning(
+                    "request %s lost its engine replica after %d tokens (%r): resuming",
+                    seq.request_id,
+                    len(tokens),
+                    exc,
+                )
+            self.on_resume()
+            seq.deadline = time.monotonic() + self.request_timeout_s
+            seq.params = dataclasses.replace(seq.params, prompt_logprobs=None)  # sent already
+            try:
+                started = await self._send_until_taken(
+                    seq, Resume(list(tokens), chars), retry=(429, 503)
+                )
+            except OpenAIError as exc:
+                message = (
+                    f"the request's engine replica failed and no other took it within "
+                    f"request_timeout_s ({self.request_timeout_s:g} s): {exc.message}"
+                )
+                raise OpenAIError.server_error(503, message) from None
+
+    async def _send_until_taken(
+        self, seq: _Sequence, resume: Resume | None, retry: tuple[int, ...]
+    ) -> Started:
+        """Send until a replica takes the sequence, retrying answers in `retry` until its
+        deadline (then the last answer is raised)."""
+        pause = _RETRY_FIRST_S
+        while True:
+            try:
+                return await self._send(seq, None, resume)
+            except OpenAIError as exc:
+                if exc.status not in retry or time.monotonic() + pause > seq.deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, _RETRY_MAX_S)
 
     async def _send(
-        self,
-        request_id: str,
-        prep: Prepared,
-        params: SamplingParams,
-        trace: dict[str, str],
-        priority: int,
-        replica_id: str | None,
+        self, seq: _Sequence, replica_id: str | None, resume: Resume | None = None
     ) -> Started:
+        # A sequence sent again is a new request at the engines: its earlier send may still
+        # hold its id at a replica that stopped answering.
+        seq.num_sends += 1
+        request_id = seq.request_id if seq.num_sends == 1 else f"{seq.request_id}~{seq.num_sends}"
         stream = RequestStream(request_id, self.channels)
         try:
             stream.call = self.engine.generate.remote(
                 request_id,
-                prep.prompt_token_ids,
-                params,
-                trace,
-                priority,
+                seq.prep.prompt_token_ids,
+                seq.params,
+                seq.trace,
+                seq.priority,
                 stream.channel_id,
                 replica_id=replica_id,
+                resume=resume,
             )
             first, at = await self._first(stream)
         except BaseException:  # an error answer, or the client left before the first token
@@ -137,7 +214,7 @@ class EngineClient:
             message = "engine ended the request without output"
             raise OpenAIError.server_error(500, message) from None
         except Exception as exc:  # replica died or is unreachable
-            logger.exception("engine call failed")
+            logger.warning("engine call failed: %r", exc)
             message = f"engine unavailable: {type(exc).__name__}"
             raise OpenAIError.server_error(503, message) from None
         if isinstance(first, EngineRejection):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -24,10 +25,12 @@ from cluster.engine_metrics import EngineMetrics
 from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput, SchedulerStats
 from engine.core.policy import ExternalLimits
+from engine.core.request import Resume
 from engine.core.sampling_params import SamplingParams
 from serve_app import tracing
 from serve_app.config import AppArgs
 from serve_app.delta_channel import ChannelledFirst, Outboxes
+from serve_app.replica_health import health_problem
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +97,14 @@ class EngineServer:
         priority: int = 0,
         channel: str | None = None,
         replica_id: str | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
         deltas then go through that channel's subscription), then one delta per engine step
         (coalesced by stream_interval_s), or one EngineRejection. `replica_id` is read by the
         ingress's request router, which sends the call to that replica (a request's further
-        sequences, to the replica holding its prompt's KV blocks)."""
+        sequences, to the replica holding its prompt's KV blocks). `resume`: the request goes on
+        from where it stopped at a replica that died."""
         if replica_id is not None and replica_id != self.replica_id:
             # Serve's router may hand a choice made for another request to this one.
             yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
@@ -122,7 +127,9 @@ class EngineServer:
         ) as span:
             span.event("queued", timestamp=tracing.wall_ns_of(started))
             try:
-                stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
+                stream = self.engine.generate(
+                    prompt_token_ids, params, request_id, priority, resume
+                )
                 first = await anext(stream)
             except InvalidParam as exc:  # bad input: names the field; everyone else goes on
                 span.set({"dynabatch.rejected": str(exc)})
@@ -182,6 +189,7 @@ class EngineServer:
         stats = asdict(self.engine.engine.stats())
         stats.update(
             replica_id=self.replica_id,
+            pid=os.getpid(),
             num_streams=self.engine.num_streams,
             capacity=self.capacity,
             num_rejected_total=self.num_rejected_total,
@@ -270,8 +278,9 @@ class EngineServer:
         }
 
     async def check_health(self) -> None:
-        if self.engine.loop_error is not None:
-            raise RuntimeError(f"engine loop died: {self.engine.loop_error!r}")
+        problem = health_problem(self.engine, self.args.health)
+        if problem is not None:
+            raise RuntimeError(problem)
 
     async def __del__(self) -> None:
         for task in self._tasks:

@@ -67,8 +67,14 @@ class OpenAIIngress:
             context = serve.get_replica_context()
             replica = context.replica_id.unique_id if context else "local"
             channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
-        self.client = EngineClient(engine, channels, self.args.retry_after_s)
         self.metrics = IngressMetrics(self.model_name)
+        self.client = EngineClient(
+            engine,
+            channels,
+            self.args.retry_after_s,
+            self.args.request_timeout_s,
+            self.metrics.sequence_resumed,
+        )
         self.controller = controller
         self.metrics_board = metrics_board
         self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
@@ -153,7 +159,11 @@ class OpenAIIngress:
                 # The response's body outlives this call: it ends the span when it ends.
                 events = closing(events, scope.pop_all())
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            whole, lasts = await whole_body(prep, body.model, choices)
+            try:
+                whole, lasts = await whole_body(prep, body.model, choices)
+            except OpenAIError as exc:  # lost with its replica, and no other took it
+                self.metrics.answered(endpoint, exc.status)
+                return exc.response()
             record(lasts)
             failed = [last for last in lasts if last.finish_reason == "error"]
             if failed:

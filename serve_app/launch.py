@@ -60,6 +60,8 @@ def main() -> int:
     env = dict(os.environ)
     env.setdefault("RAY_worker_niceness", "0")  # Ray's default nice 15 starves the engine
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(512 << 20))
+    # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
+    env.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
     child = subprocess.Popen([serve_bin, "run", opts.config], env=env)
 

@@ -20,6 +20,8 @@ def start_local_serve(log_level: str = "INFO") -> int:
     on a free localhost port; returns the port."""
     # Ray's default worker nice level (15) starves replicas next to anything else.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
+    os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
     import ray
     from ray import serve
 

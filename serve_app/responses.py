@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.core.outputs import RequestOutput, TokenLogprob
 from serve_app import openai_protocol as oai
+from serve_app.errors import OpenAIError
 from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.streaming import Prepared
 
@@ -123,6 +124,23 @@ async def sse_events(
             chunk["usage"] = _usage(choices)
         return sse(chunk)
 
+    def chunks(c: Choice, out: RequestOutput) -> list[str]:
+        """The events of one delta of choice `c`."""
+        finish = out.finish_reason if out.finished else None
+        formatter = formatters[c.index]
+        logprobs = formatter.format(out.new_token_ids, out.logprobs) if formatter else None
+        if not chat:
+            if out.new_text or finish or logprobs:
+                return [event(oai.completion_choice(c.index, out.new_text, finish, logprobs))]
+            return []
+        events = []
+        if out.new_text or logprobs:
+            delta = {"content": out.new_text}
+            events.append(event(oai.chat_delta_choice(c.index, delta, None, logprobs)))
+        if finish:
+            events.append(event(oai.chat_delta_choice(c.index, {}, finish)))
+        return events
+
     for c in choices:
         if chat:
             yield event(oai.chat_delta_choice(c.index, {"role": "assistant", "content": ""}, None))
@@ -130,24 +148,19 @@ async def sse_events(
             formatter = formatters[c.index]
             logprobs = _echoed(prep, c, formatter) if formatter else None
             yield event(oai.completion_choice(c.index, prep.echo_text, None, logprobs))
-    async with contextlib.aclosing(merged(choices)) as outs:
-        async for c, out in outs:
-            c.last = out
-            if out.finish_reason == "error":
-                failed = True
-                yield sse(oai.error_body(f"engine error: {out.error}", "server_error"))
-                break
-            finish = out.finish_reason if out.finished else None
-            formatter = formatters[c.index]
-            logprobs = formatter.format(out.new_token_ids, out.logprobs) if formatter else None
-            if chat:
-                if out.new_text or logprobs:
-                    delta = {"content": out.new_text}
-                    yield event(oai.chat_delta_choice(c.index, delta, None, logprobs))
-                if finish:
-                    yield event(oai.chat_delta_choice(c.index, {}, finish))
-            elif out.new_text or finish or logprobs:
-                yield event(oai.completion_choice(c.index, out.new_text, finish, logprobs))
+    try:
+        async with contextlib.aclosing(merged(choices)) as outs:
+            async for c, out in outs:
+                c.last = out
+                if out.finish_reason == "error":
+                    failed = True
+                    yield sse(oai.error_body(f"engine error: {out.error}", "server_error"))
+                    break
+                for chunk in chunks(c, out):
+                    yield chunk
+    except OpenAIError as exc:  # lost with its replica: an error event, never a cut stream
+        failed = True
+        yield sse(oai.error_body(exc.message, exc.err_type, exc.param, exc.code))
     record([c.last for c in choices])
     if prep.include_usage and not failed:
         yield sse(base | {"choices": [], "usage": _usage(choices)})

@@ -40,6 +40,12 @@ class IngressMetrics:
             ["model", "finish_reason"],
             registry=self.registry,
         )
+        self.resumed = Counter(
+            "dynabatch_sequences_resumed",
+            "Sequences resumed at another engine replica after theirs failed mid-stream.",
+            ["model"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "dynabatch_time_to_first_token_seconds",
             "Time to first token.",
@@ -54,6 +60,9 @@ class IngressMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+    def sequence_resumed(self) -> None:
+        self.resumed.labels(self.model_name).inc()
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model_name, endpoint, str(status)).inc()

@@ -51,3 +51,7 @@ def build_engine(
             scheduler=SchedulerConfig(**scheduler),
         )
     )
+
+
+# One local Ray + Serve for the whole session, shared by tests/serve and tests/chaos.
+from tests.local_serve import serve_cluster  # noqa: E402, F401

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from engine.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a request stopped at another engine replica (which died): the output tokens it
+    produced there and the characters of their text the client already has. A request added
+    with it goes on from there, as if it had run here all along: its max_tokens, min_tokens,
+    penalties and random draws count those tokens as its output."""
+
+    output_token_ids: list[int]
+    num_text_chars: int
 
 
 class RequestStatus(enum.Enum):
@@ -70,10 +82,19 @@ class Request:
         self.seq = 0  # the scheduler's arrival sequence number (tie-break of every order)
         self.resumed_at_step = -1  # the step in which it last came back after a preemption
         self.first_token_time: float | None = None
+        self.resumed: Resume | None = None  # set by resume_from
         stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             stop_ids.update(eos_token_ids)
         self.stop_token_ids = frozenset(stop_ids)
+
+    def resume_from(self, resume: Resume) -> None:
+        """Take the tokens produced elsewhere as this request's output so far (before it is
+        scheduled: they are computed as a prefix, with the prompt)."""
+        self.resumed = resume
+        self.all_token_ids += resume.output_token_ids
+        self.num_tokens = len(self.all_token_ids)
+        self.num_output_tokens = len(resume.output_token_ids)
 
     def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
         """How the request ends with `token` just appended; None while it goes on."""

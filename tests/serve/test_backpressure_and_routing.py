@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from serve_app.router import prefix_key, rendezvous_choice
-from tests.serve.conftest import NARROW_AUTH
+from tests.local_serve import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)
 

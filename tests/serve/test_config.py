@@ -6,7 +6,7 @@ import pydantic
 import pytest
 
 from serve_app.config import AppArgs
-from tests.serve.conftest import deploy_yaml_args
+from tests.local_serve import deploy_yaml_args
 
 
 def test_deploy_yaml_args_validate():

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from serve_app.config import AppArgs, EngineArgs
 from tests.conftest import REPO
-from tests.serve.conftest import deploy_yaml_args
+from tests.local_serve import deploy_yaml_args
 
 ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serve.conftest import ServeCluster, app_args
+from tests.local_serve import ServeCluster, app_args
 from tests.serve.load import Load, wait_for
 from tests.serve.test_metrics import scrape, total
 

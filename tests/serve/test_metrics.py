@@ -119,7 +119,7 @@ def test_engine_metrics_need_no_controller(serve_cluster):
     from ray import serve
 
     from serve_app import build_app
-    from tests.serve.conftest import app_args
+    from tests.local_serve import app_args
 
     args = app_args(
         serve_cluster.model,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.serve.conftest import ServeCluster, app_args
+from tests.local_serve import ServeCluster, app_args
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,55 @@
+"""When an engine replica counts as unhealthy, so that Serve replaces it (and the ingress
+resumes its requests elsewhere): its step loop died, its steps keep failing (a sticky device
+error: failing fast, such a replica would otherwise attract traffic), or one step has run
+past a timeout (a hung device or a stopped process). Serve asks every `check_period_s` and
+gives up on an answer after `check_timeout_s`; a stopped process never answers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # the ingress imports this module's settings without the engine
+    from engine.async_engine import AsyncLLMEngine
+
+
+class HealthArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    check_period_s: float = Field(
+        2.0, gt=0.0, description="How often Serve checks each engine replica's health."
+    )
+    check_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="A health check unanswered this long counts as failed (a stopped process, "
+        "a hung event loop); after three failed checks in a row Serve replaces the replica.",
+    )
+    max_failed_steps: int = Field(
+        3, ge=1, description="Consecutive failed engine steps that make a replica unhealthy."
+    )
+    step_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="One engine step running longer than this makes a replica unhealthy.",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        60.0,
+        ge=0.0,
+        description="How long a replica being removed (downscale, redeploy) may finish its "
+        "streams; those still running then resume at another replica.",
+    )
+
+
+def health_problem(engine: AsyncLLMEngine, args: HealthArgs) -> str | None:
+    """Why the replica is unhealthy, or None."""
+    if engine.loop_error is not None:
+        return f"engine loop died: {engine.loop_error!r}"
+    failed = engine.engine.num_failed_steps_in_a_row
+    if failed >= args.max_failed_steps:
+        return f"{failed} engine steps in a row failed"
+    running = engine.step_running_s
+    if running > args.step_timeout_s:
+        return f"an engine step has run {running:.0f} s (step_timeout_s {args.step_timeout_s:g})"
+    return None
