@@ -184,8 +184,10 @@ class EngineServer:
         async for batch in self.outboxes.subscribe(channel):
             yield batch
 
-    async def stats(self) -> dict[str, Any]:
-        """This replica's scheduler stats plus stream bookkeeping (tests, /metrics)."""
+    async def stats(self, replica_id: str | None = None) -> dict[str, Any]:
+        """This replica's scheduler stats plus stream bookkeeping (tests, /metrics).
+        `replica_id` asks the ingress's request router for that replica (it may still land
+        elsewhere: the answer names its replica)."""
         stats = asdict(self.engine.engine.stats())
         stats.update(
             replica_id=self.replica_id,

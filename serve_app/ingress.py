@@ -67,6 +67,7 @@ class OpenAIIngress:
             context = serve.get_replica_context()
             replica = context.replica_id.unique_id if context else "local"
             channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
+        self.engine = engine
         self.metrics = IngressMetrics(self.model_name)
         self.client = EngineClient(
             engine,
@@ -92,8 +93,16 @@ class OpenAIIngress:
 
     # ------------------------------------------------------------------------ endpoints
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        """200 while an engine replica answers its health check; else 503 with the reason
+        (for load balancers: this ingress can serve nothing then)."""
+        try:
+            timeout = self.args.health.check_timeout_s
+            await asyncio.wait_for(self.engine.check_health.remote(), timeout)
+        except Exception as exc:  # none running, all failing, or none answering in time
+            reason = f"no engine replica is healthy: {type(exc).__name__}: {exc}"[:500]
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.conftest import REPO, tiny_model_dir
+REPO = Path(__file__).resolve().parent.parent
 
 
 def deploy_yaml_args() -> dict[str, Any]:
@@ -89,6 +90,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     from serve_app import build_app
     from serve_app.local_cluster import start_local_serve, stop_local_serve
+    from tests.conftest import tiny_model_dir  # tests/conftest.py imports this module
 
     model = tiny_model_dir("llama")
     try:

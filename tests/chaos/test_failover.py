@@ -3,8 +3,7 @@ streams and whole responses go on at the other replica from the tokens already s
 token for token to an undisturbed run; requests sent just after are served at once; every
 replica ends with every KV block free.
 
-Runs its own app (`chaos`, 2 engine replicas, 1 ingress) on the session's local Serve, so
-the replica it kills serves nobody else's tests."""
+Runs on the `chaos` app (tests/chaos/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,35 +12,18 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.local_serve import ServeCluster, app_args
+from tests.chaos.conftest import APP, engine_replica_stats
+from tests.local_serve import ServeCluster
 
 pytestmark = pytest.mark.timeout(300)
 
-APP = "chaos"
 PROMPTS = [f"Story {i}: once upon a time" for i in range(16)]
 MAX_TOKENS = 400
-
-
-@pytest.fixture(scope="module")
-def chaos_app(serve_cluster: ServeCluster) -> Iterator[str]:
-    from ray import serve
-
-    from serve_app import build_app
-
-    args = app_args(
-        serve_cluster.model,
-        request_timeout_s=60,
-        health={"check_period_s": 1, "check_timeout_s": 2},
-    )
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-    yield APP
-    serve.delete(APP)
 
 
 async def _run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]:
@@ -82,21 +64,13 @@ def _resumed(serve_cluster: ServeCluster) -> float:
 def _free_everywhere(serve_cluster: ServeCluster, timeout: float = 90.0) -> None:
     """Every live replica (the survivor, and the killed one's replacement once up) ends with
     every block free."""
-    handle = serve_cluster.engine_handle(APP)
     deadline = time.monotonic() + timeout
-    seen: dict[str, dict] = {}
-
-    def all_free() -> bool:
-        return all(s["num_free_blocks"] == s["num_total_blocks"] for s in seen.values())
-
-    while len(seen) < 2 or not all_free():
-        assert time.monotonic() < deadline, seen
-        try:
-            stats = handle.stats.remote().result(timeout_s=5)
-        except Exception:  # routed to the dead replica before Serve noticed
-            time.sleep(0.5)
-            continue
-        seen[stats["replica_id"]] = stats
+    while True:
+        stats = engine_replica_stats(serve_cluster, timeout).values()
+        if len(stats) == 2 and all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats):
+            return
+        assert time.monotonic() < deadline, list(stats)
+        time.sleep(0.5)
 
 
 async def _disturbed(
@@ -106,7 +80,7 @@ async def _disturbed(
     most of them; also a request sent just after. Returns the texts, the seconds from the
     signal to the end of the last request, and the seconds the request sent after took."""
     base_url = serve_cluster.v1(APP)
-    stats = await asyncio.to_thread(serve_cluster.replica_stats, APP, 2)
+    stats = await asyncio.to_thread(engine_replica_stats, serve_cluster)
     victim = min(stats.values(), key=lambda s: s["replica_id"])
     resumed_before = _resumed(serve_cluster)
     kill = asyncio.Event()
@@ -151,4 +125,28 @@ def test_sigstop_of_an_engine_replica_moves_its_requests_elsewhere(serve_cluster
     print(f"SIGSTOP: all done {recovered_s:.1f} s after; a request sent after took {after_s:.2f} s")
     assert texts == undisturbed
     assert recovered_s < 45
+    _free_everywhere(serve_cluster)
+
+
+def test_health_answers_503_while_no_engine_replica_answers(serve_cluster, chaos_app):
+    health = f"{serve_cluster.base_url}/{APP}/health"
+    assert httpx.get(health, timeout=30).status_code == 200
+    pids = [s["pid"] for s in engine_replica_stats(serve_cluster).values()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        resp = httpx.get(health, timeout=30)
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["reason"].startswith("no engine replica is healthy")
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    # Woken (or replaced by Serve meanwhile): healthy and serving again.
+    deadline = time.monotonic() + 120
+    while httpx.get(health, timeout=30).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    client = openai.OpenAI(base_url=serve_cluster.v1(APP), api_key="unused", max_retries=0)
+    assert client.completions.create(model="tiny", prompt="back", max_tokens=2).choices
     _free_everywhere(serve_cluster)
