@@ -36,6 +36,25 @@ SUBSCRIPTION_IDLE_S = 2.0
 _RETRY_S = 0.05
 # Deltas nobody subscribed to for this long belong to an ingress replica that went away.
 ABANDONED_AFTER_S = 120.0
+# How often an engine replica asks whether the ingress replicas with open requests live.
+OWNER_CHECK_S = 2.0
+
+
+def channel_name(owner: str, suffix: str) -> str:
+    """A channel's id: the Serve actor name of the ingress replica that owns it (or "local"),
+    then a suffix of its own."""
+    return f"{owner}/{suffix}"
+
+
+def _owner_alive(owner: str) -> bool:
+    """Whether the named Serve actor still lives (a dead actor's name is released)."""
+    import ray
+
+    try:
+        ray.get_actor(owner, namespace="serve")
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,9 @@ class Outbox:
         self.num_subscribers = 0
         self.num_batches = 0
         self.num_deltas = 0
+        # Its ingress replica died: its requests end (a dead caller's streams are never
+        # closed by Ray, and the subscription at this end keeps reading into the void).
+        self.owner_gone = False
         self._ready = asyncio.Event()
         self._last_read = time.monotonic()
 
@@ -132,6 +154,21 @@ class Outboxes:
             outbox.num_subscribers -= 1
             if outbox.unused:
                 self._drop(channel, outbox)
+
+    async def watch_owners(self, period_s: float = OWNER_CHECK_S) -> None:
+        """Mark the outboxes of ingress replicas that died (checked every period_s)."""
+        while True:
+            await asyncio.sleep(period_s)
+            owners: dict[str, list[Outbox]] = {}
+            for channel, outbox in self._boxes.items():
+                owner = channel.rpartition("/")[0]
+                if outbox.num_open and owner.startswith("SERVE_REPLICA::"):
+                    owners.setdefault(owner, []).append(outbox)
+            for owner, outboxes in owners.items():
+                if not await asyncio.to_thread(_owner_alive, owner):
+                    logger.warning("ingress replica %s is gone: ending its requests", owner)
+                    for outbox in outboxes:
+                        outbox.owner_gone = True
 
     def _drop(self, channel: str, outbox: Outbox) -> None:
         if self._boxes.get(channel) is outbox:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -38,6 +40,11 @@ logger = logging.getLogger(__name__)
 _PINNED_TRIES = 4
 # Pauses between sends while no engine replica takes a sequence (doubling up to the last).
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 1.0
+# How a lost replica shows (its process, worker or node died); any other exception is a
+# failure of the request itself, answered as an error rather than sent again.
+_REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError)
+# Resumes of one sequence, at most: a request that keeps losing replicas stops somewhere.
+_MAX_RESUMES = 4
 
 
 class _Elsewhere(Exception):
@@ -132,7 +139,7 @@ class EngineClient:
         """The sequence's deltas, from one replica after another while replicas die."""
         tokens: list[int] = []
         chars = 0
-        while True:
+        for resumes in itertools.count():
             try:
                 async with contextlib.aclosing(started.stream.deltas(started.first)) as outs:
                     async for out in outs:
@@ -140,13 +147,20 @@ class EngineClient:
                         chars += len(out.new_text)
                         yield out
                 return
-            except Exception as exc:  # its replica died (an engine error is a delta)
+            except _REPLICA_LOST as exc:
+                if resumes == _MAX_RESUMES:
+                    message = f"the request lost {resumes + 1} engine replicas in a row"
+                    raise OpenAIError.server_error(503, message) from None
                 logger.warning(
                     "request %s lost its engine replica after %d tokens (%r): resuming",
                     seq.request_id,
                     len(tokens),
                     exc,
                 )
+            except Exception as exc:  # not a lost replica: this request's own failure
+                logger.exception("request %s failed mid-stream", seq.request_id)
+                message = f"engine error: {type(exc).__name__}"
+                raise OpenAIError.server_error(500, message) from None
             self.on_resume()
             seq.deadline = time.monotonic() + self.request_timeout_s
             seq.params = dataclasses.replace(seq.params, prompt_logprobs=None)  # sent already
@@ -213,10 +227,14 @@ class EngineClient:
         except StopAsyncIteration:
             message = "engine ended the request without output"
             raise OpenAIError.server_error(500, message) from None
-        except Exception as exc:  # replica died or is unreachable
+        except _REPLICA_LOST as exc:  # dying, dead or unreachable: another may take it
             logger.warning("engine call failed: %r", exc)
             message = f"engine unavailable: {type(exc).__name__}"
             raise OpenAIError.server_error(503, message) from None
+        except Exception as exc:  # this request's own failure at the replica
+            logger.exception("engine call failed")
+            message = f"engine error: {type(exc).__name__}"
+            raise OpenAIError.server_error(500, message) from None
         if isinstance(first, EngineRejection):
             if first.kind == "elsewhere":
                 raise _Elsewhere(first.message)

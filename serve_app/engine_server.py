@@ -82,7 +82,7 @@ class EngineServer:
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
         loop = asyncio.get_running_loop()
-        self._tasks = []
+        self._tasks = [loop.create_task(self.outboxes.watch_owners())]
         if controller is not None:
             self._tasks.append(loop.create_task(self._report_loop()))
         if metrics_board is not None:
@@ -147,6 +147,8 @@ class EngineServer:
                 yield first if outbox is None else ChannelledFirst(first, self.replica_id)
                 held: RequestOutput | None = None
                 async for out in stream:
+                    if outbox is not None and outbox.owner_gone:
+                        break  # nobody will read it: the request is aborted below
                     held = out if held is None else held.merge(out)
                     final = out
                     now = time.monotonic()

@@ -27,7 +27,7 @@ from serve_app import openai_protocol as oai
 from serve_app import tracing
 from serve_app.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.config import AppArgs
-from serve_app.delta_channel import DeltaChannels
+from serve_app.delta_channel import DeltaChannels, channel_name
 from serve_app.edge_routes import EdgeState, install_edge
 from serve_app.engine_client import EngineClient
 from serve_app.errors import OpenAIError, install_error_handlers
@@ -65,8 +65,9 @@ class OpenAIIngress:
         channels: DeltaChannels | None = None
         if self.args.delta_channels:
             context = serve.get_replica_context()
-            replica = context.replica_id.unique_id if context else "local"
-            channels = DeltaChannels(engine, f"{replica}-{uuid.uuid4().hex[:8]}")
+            # The engine replicas watch this actor: its requests end if it dies.
+            owner = context.replica_id.to_full_id_str() if context else "local"
+            channels = DeltaChannels(engine, channel_name(owner, uuid.uuid4().hex[:8]))
         self.engine = engine
         self.metrics = IngressMetrics(self.model_name)
         self.client = EngineClient(

@@ -3,9 +3,12 @@ the session's local Serve, so the replicas it kills and stops serve nobody else'
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import openai
 import pytest
 
 from tests.local_serve import ServeCluster, app_args
@@ -13,20 +16,59 @@ from tests.local_serve import ServeCluster, app_args
 APP = "chaos"
 
 
-@pytest.fixture(scope="session")
-def chaos_app(serve_cluster: ServeCluster) -> Iterator[str]:
+def chaos_args(model: str, **overrides: Any) -> dict[str, Any]:
+    """The chaos app's args: the tests' sizes, fast health checks, a long request timeout."""
+    health = {"check_period_s": 1, "check_timeout_s": 2}
+    return app_args(model, request_timeout_s=60, health=health, **overrides)
+
+
+def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:
+    """(Re)deploy the chaos app; returns once it runs."""
     from ray import serve
 
     from serve_app import build_app
 
-    args = app_args(
-        serve_cluster.model,
-        request_timeout_s=60,
-        health={"check_period_s": 1, "check_timeout_s": 2},
-    )
+    args = chaos_args(serve_cluster.model, **overrides)
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+
+
+@pytest.fixture(scope="session")
+def chaos_app(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    deploy(serve_cluster)
     yield APP
     serve.delete(APP)
+
+
+PROMPTS = [f"Story {i}: once upon a time" for i in range(16)]
+MAX_TOKENS = 400
+
+
+async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]:
+    """PROMPTS[:12] streamed and PROMPTS[12:] whole, greedy; returns their texts. With `kill`,
+    set it once every stream has its first tokens."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    kwargs = dict(model="tiny", max_tokens=MAX_TOKENS, temperature=0)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    started = 0
+
+    async def streamed(prompt: str) -> str:
+        nonlocal started
+        text, counted = [], False
+        async for chunk in await client.completions.create(prompt=prompt, stream=True, **kwargs):
+            text.append(chunk.choices[0].text)
+            if not counted and len(text) >= 4:
+                counted, started = True, started + 1
+                if kill is not None and started == 12:
+                    kill.set()
+        return "".join(text)
+
+    async def whole(prompt: str) -> str:
+        return (await client.completions.create(prompt=prompt, **kwargs)).choices[0].text
+
+    tasks = [streamed(p) for p in PROMPTS[:12]] + [whole(p) for p in PROMPTS[12:]]
+    return list(await asyncio.gather(*tasks))
 
 
 def engine_replica_stats(serve_cluster: ServeCluster, timeout: float = 60.0) -> dict[str, dict]:

@@ -1,11 +1,16 @@
 """Chaos: 200 clients that go away at random moments (before the first byte, mid-stream,
-whole requests too) leave nothing behind: within 10 s every engine replica has no request
-and every KV block free, and the app serves the next request."""
+whole requests too), or the ingress replica killed under 16 streams, leave nothing behind:
+within 10 s every engine replica has no request and every KV block free, and the app serves
+the next request."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
+import subprocess
 import time
 
 import httpx
@@ -69,3 +74,66 @@ def test_two_hundred_random_disconnects_leave_no_request_and_no_block(serve_clus
         timeout=30,
     )
     assert resp.status_code == 200
+
+
+def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
+    """Its engine requests are aborted and their blocks freed within 10 s (Ray never closes a
+    dead caller's streams: the engine replicas watch the ingress replicas they serve)."""
+    url = f"{serve_cluster.v1(chaos_app)}/completions"
+    body = {"model": "tiny", "prompt": "orphan", "max_tokens": 480, "ignore_eos": True}
+
+    async def orphans() -> None:
+        async def one() -> None:
+            streamed = body | {"stream": True}
+            with contextlib.suppress(httpx.HTTPError):
+                async with (
+                    httpx.AsyncClient(timeout=120) as client,
+                    client.stream("POST", url, json=streamed) as resp,
+                ):
+                    async for _ in resp.aiter_raw():
+                        pass
+
+        def aborted(stats) -> int:
+            return sum(s["num_finished_total"].get("abort", 0) for s in stats)
+
+        before = aborted((await asyncio.to_thread(engine_replica_stats, serve_cluster)).values())
+        tasks = [asyncio.create_task(one()) for _ in range(16)]
+        deadline = time.monotonic() + 60
+        while True:  # (the stats helper blocks: it runs beside this loop)
+            stats = (await asyncio.to_thread(engine_replica_stats, serve_cluster)).values()
+            if sum(s["num_running"] for s in stats) >= 8:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        found = subprocess.run(
+            ["pgrep", "-f", f"ServeReplica:{chaos_app}:OpenAIIngress"],
+            capture_output=True,
+            text=True,
+        )
+        for pid in found.stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            stats = (await asyncio.to_thread(engine_replica_stats, serve_cluster)).values()
+            if all(
+                s["num_running"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
+                for s in stats
+            ):
+                break
+            assert time.monotonic() - killed < 10, list(stats)
+            await asyncio.sleep(0.5)
+        # Ended by abort, not run to their 480 tokens.
+        assert aborted(stats) - before >= 8
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(orphans())
+    deadline = time.monotonic() + 120  # Serve starts another ingress replica
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            resp = httpx.post(url, json={"model": "tiny", "prompt": "back", "max_tokens": 2})
+            if resp.status_code == 200:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(1)

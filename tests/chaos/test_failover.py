@@ -17,39 +17,10 @@ import httpx
 import openai
 import pytest
 
-from tests.chaos.conftest import APP, engine_replica_stats
+from tests.chaos.conftest import APP, engine_replica_stats, run_all
 from tests.local_serve import ServeCluster
 
 pytestmark = pytest.mark.timeout(300)
-
-PROMPTS = [f"Story {i}: once upon a time" for i in range(16)]
-MAX_TOKENS = 400
-
-
-async def _run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]:
-    """PROMPTS[:12] streamed and PROMPTS[12:] whole, greedy; returns their texts. With `kill`,
-    set it once every stream has its first tokens."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    kwargs = dict(model="tiny", max_tokens=MAX_TOKENS, temperature=0)
-    kwargs["extra_body"] = {"ignore_eos": True}
-    started = 0
-
-    async def streamed(prompt: str) -> str:
-        nonlocal started
-        text, counted = [], False
-        async for chunk in await client.completions.create(prompt=prompt, stream=True, **kwargs):
-            text.append(chunk.choices[0].text)
-            if not counted and len(text) >= 4:
-                counted, started = True, started + 1
-                if kill is not None and started == 12:
-                    kill.set()
-        return "".join(text)
-
-    async def whole(prompt: str) -> str:
-        return (await client.completions.create(prompt=prompt, **kwargs)).choices[0].text
-
-    tasks = [streamed(p) for p in PROMPTS[:12]] + [whole(p) for p in PROMPTS[12:]]
-    return list(await asyncio.gather(*tasks))
 
 
 def _resumed(serve_cluster: ServeCluster) -> float:
@@ -84,7 +55,7 @@ async def _disturbed(
     victim = min(stats.values(), key=lambda s: s["replica_id"])
     resumed_before = _resumed(serve_cluster)
     kill = asyncio.Event()
-    run = asyncio.create_task(_run_all(base_url, kill))
+    run = asyncio.create_task(run_all(base_url, kill))
     await kill.wait()
     os.kill(victim["pid"], sig)
     try:
@@ -105,7 +76,7 @@ async def _disturbed(
 @pytest.fixture(scope="module")
 def undisturbed(serve_cluster, chaos_app) -> list[str]:
     started = time.monotonic()
-    texts = asyncio.run(_run_all(serve_cluster.v1(APP)))
+    texts = asyncio.run(run_all(serve_cluster.v1(APP)))
     print(f"undisturbed: {time.monotonic() - started:.1f} s")
     assert all(texts)
     return texts
