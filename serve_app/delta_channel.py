@@ -54,6 +54,8 @@ def _owner_alive(owner: str) -> bool:
         ray.get_actor(owner, namespace="serve")
     except ValueError:
         return False
+    except Exception:  # the lookup itself failed: no reason to end anyone's requests
+        logger.warning("could not look up %s", owner, exc_info=True)
     return True
 
 

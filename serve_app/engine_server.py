@@ -173,7 +173,7 @@ class EngineServer:
                     elapsed,
                     final.queue_time_s,
                 )
-                _record_life(span, final, reason, started)
+                tracing.record_engine_life(span, final, reason, started)
 
     async def subscribe(
         self, channel: str, replica_id: str | None = None
@@ -290,17 +290,3 @@ class EngineServer:
         for task in self._tasks:
             task.cancel()
         await self.engine.shutdown()
-
-
-def _record_life(span: tracing.RequestSpan, final: RequestOutput, reason: str, started: float):
-    """The engine span's life-cycle: scheduled (queue time), preemptions, finished."""
-    if final.queue_time_s is not None:
-        # Queue time runs from the engine's arrival stamp, a little after `started` (both
-        # monotonic): `started + queue time` is at most that little early.
-        span.event("scheduled", timestamp=tracing.wall_ns_of(started + final.queue_time_s))
-    span.set({"dynabatch.output_tokens": final.num_output_tokens})
-    span.set({"dynabatch.num_preemptions": final.num_preemptions})
-    if final.num_preemptions:
-        span.event("preempted", {"count": final.num_preemptions})
-    span.event("finished", {"finish_reason": reason})
-    span.finish_reason = reason

@@ -17,9 +17,12 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from engine.core.outputs import RequestOutput
 
 Exporter = Literal["none", "console", "file", "otlp"]
 
@@ -180,3 +183,19 @@ def request_span(
     finally:
         span.set_attribute("dynabatch.finish_reason", handle.finish_reason)
         span.end()
+
+
+def record_engine_life(
+    span: RequestSpan, final: RequestOutput, reason: str, started: float
+) -> None:
+    """The engine span's life-cycle: scheduled (queue time), preemptions, finished."""
+    if final.queue_time_s is not None:
+        # Queue time runs from the engine's arrival stamp, a little after `started` (both
+        # monotonic): `started + queue time` is at most that little early.
+        span.event("scheduled", timestamp=wall_ns_of(started + final.queue_time_s))
+    span.set({"dynabatch.output_tokens": final.num_output_tokens})
+    span.set({"dynabatch.num_preemptions": final.num_preemptions})
+    if final.num_preemptions:
+        span.event("preempted", {"count": final.num_preemptions})
+    span.event("finished", {"finish_reason": reason})
+    span.finish_reason = reason

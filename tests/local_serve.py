@@ -122,3 +122,23 @@ def _wait_ready(base_url: str, timeout: float = 120.0) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError("Serve apps did not become ready")
+
+
+def assert_serves_and_frees(cluster: ServeCluster, timeout: float = 30.0) -> None:
+    """The `llm` app answers a request, then both engine replicas hold no request and no block
+    (after a test that threw everything at it)."""
+    import httpx
+
+    resp = httpx.post(
+        f"{cluster.v1()}/completions",
+        json={"model": "tiny", "prompt": "after", "max_tokens": 4},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = cluster.replica_stats("llm", 2)
+        if all(s["num_used_blocks"] == 0 and s["num_streams"] == 0 for s in stats.values()):
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)

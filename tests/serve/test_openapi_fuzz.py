@@ -4,13 +4,14 @@ every 4xx in OpenAI's error body; afterwards the server serves and every KV bloc
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.local_serve import assert_serves_and_frees
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -119,16 +120,4 @@ def test_every_route_survives_bodies_drawn_from_its_schema(serve_cluster):
             assert set(resp.json()) == {"error"}, (path, body, resp.text)
 
     check()
-    resp = httpx.post(
-        f"{serve_cluster.v1()}/completions",
-        json={"model": "tiny", "prompt": "after", "max_tokens": 3},
-        timeout=60,
-    )
-    assert resp.status_code == 200
-    deadline = time.monotonic() + 30
-    while True:
-        stats = serve_cluster.replica_stats("llm", 2).values()
-        if all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats):
-            break
-        assert time.monotonic() < deadline, list(stats)
-        time.sleep(0.5)
+    assert_serves_and_frees(serve_cluster)

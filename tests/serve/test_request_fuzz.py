@@ -4,12 +4,12 @@ normally and every KV block is free."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from tests.local_serve import assert_serves_and_frees
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,16 +71,4 @@ def test_no_body_gets_a_5xx_or_a_4xx_without_param(serve_cluster, body):
 
 
 def test_after_the_fuzz_the_server_serves_and_frees_every_block(serve_cluster):
-    resp = httpx.post(
-        f"{serve_cluster.v1()}/completions",
-        json={"model": "tiny", "prompt": "after", "max_tokens": 4},
-        timeout=60,
-    )
-    assert resp.status_code == 200
-    deadline = time.monotonic() + 30
-    while True:
-        stats = serve_cluster.replica_stats("llm", 2)
-        if all(s["num_used_blocks"] == 0 and s["num_streams"] == 0 for s in stats.values()):
-            break
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.2)
+    assert_serves_and_frees(serve_cluster)
