@@ -46,9 +46,10 @@ class ScheduledRequest:
         if sample and request.num_output_tokens < params.min_tokens:
             banned = tuple(sorted(request.stop_token_ids))
         targets = None
-        last_prompt = request.num_prompt_tokens - 1
-        if params.prompt_logprobs is not None and start < last_prompt:
-            targets = request.all_token_ids[start + 1 : min(start + n, last_prompt) + 1]
+        if params.prompt_logprobs is not None:
+            last_prompt = request.num_prompt_tokens - 1
+            if start < last_prompt:
+                targets = request.all_token_ids[start + 1 : min(start + n, last_prompt) + 1]
         return cls(
             request.request_id,
             request.all_token_ids[start : start + n],

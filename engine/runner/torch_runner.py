@@ -195,7 +195,8 @@ class TorchModelRunner:
         # The sampled rows, then the rows whose prompt logprobs are asked for.
         rows = [offsets[i + 1] - 1 for i, r in enumerate(order) if r.sample]
         for i, r in enumerate(order):
-            rows += range(offsets[i], offsets[i] + len(r.prompt_targets or ()))
+            if r.prompt_targets:
+                rows += range(offsets[i], offsets[i] + len(r.prompt_targets))
         logits_indices = torch.tensor(rows, dtype=torch.long)
         dev = self.device
         layout = BatchLayout(
