@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
-    if not opts.via_proxy:
-        # Serve's direct ingress: the ingress replica serves HTTP on its own port, one Ray hop
-        # (and its CPU per streamed token) fewer than through the proxy.
-        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    # Serve's direct ingress (the default of serve_app.local_cluster): the ingress replica
+    # serves HTTP on its own port, one Ray hop (and its CPU per streamed token) fewer than
+    # through the proxy.
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0" if opts.via_proxy else "1"
     for kv in opts.serve_env:
         key, _, value = kv.partition("=")
         os.environ[key] = value

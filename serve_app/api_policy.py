@@ -43,6 +43,14 @@ class ApiArgs(BaseModel):
         description="Environment variable of the ingress replicas holding more keys, "
         "comma-separated (keeps them out of deploy.yaml).",
     )
+    max_unsent_tokens: int | None = Field(
+        4096,
+        ge=1,
+        description="Tokens of one stream that may wait at the ingress for a client that reads "
+        "slower than they come; past it the request is aborted and its connection closed. "
+        "Applies where the ingress serves HTTP itself (Serve's direct ingress); through "
+        "Serve's proxy, the proxy buffers instead. Null: no bound.",
+    )
     keys_for_health_and_metrics: bool = Field(
         False, description="Ask for a key on /health and /metrics too."
     )

@@ -70,7 +70,15 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     return OpenAIIngress.options(
         num_replicas=ingress_res.num_replicas,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
-        ray_actor_options={"num_cpus": ingress_res.num_cpus, "num_gpus": ingress_res.num_gpus},
+        ray_actor_options={
+            "num_cpus": ingress_res.num_cpus,
+            "num_gpus": ingress_res.num_gpus,
+            # The ingress's code on the replica's own loop: under direct ingress its sends
+            # then wait for the client (in Serve's thread they go to an unbounded queue), so
+            # a client that stops reading shows (api.max_unsent_tokens); and one thread hop
+            # less per chunk.
+            "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+        },
     ).bind(engine, plain, controller, board)
 
 

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
@@ -57,6 +57,29 @@ def _owner_alive(owner: str) -> bool:
     except Exception:  # the lookup itself failed: no reason to end anyone's requests
         logger.warning("could not look up %s", owner, exc_info=True)
     return True
+
+
+class DeltaQueue(asyncio.Queue):
+    """One request's deltas at the ingress, waiting for its response to send them, counted
+    in tokens: a client that stops reading makes them pile up here (when the ingress's
+    connection carries the client's backpressure), and past a bound its request ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_tokens = 0
+        # Called once the unsent tokens pass the channel's bound (set by the request's stream).
+        self.on_overflow: Callable[[int], None] | None = None
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        super()._put(item)
+        if isinstance(item, RequestOutput):
+            self.num_tokens += len(item.new_token_ids)
+
+    def _get(self) -> RequestOutput | BaseException:
+        item = super()._get()
+        if isinstance(item, RequestOutput):
+            self.num_tokens -= len(item.new_token_ids)
+        return item
 
 
 @dataclass(frozen=True)
@@ -191,17 +214,20 @@ class DeltaChannels:
     """The ingress's end: each request's deltas on a queue of its own, fed by one subscription
     per engine replica that has open requests of this ingress."""
 
-    def __init__(self, engine: DeploymentHandle, channel_id: str) -> None:
+    def __init__(
+        self, engine: DeploymentHandle, channel_id: str, max_unsent_tokens: int | None = None
+    ) -> None:
         self.channel_id = channel_id
+        self.max_unsent_tokens = max_unsent_tokens  # per request; None: no bound
         self._subscribe = engine.options(stream=True).subscribe
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         self._replica_of: dict[str, str] = {}
         self._open_at: Counter[str] = Counter()  # replica id -> open requests
         self._tasks: dict[str, asyncio.Task] = {}  # replica id -> its subscription
 
-    def open(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+    def open(self, request_id: str) -> DeltaQueue:
         """The request's queue; open it before the request is sent so no delta is missed."""
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue = DeltaQueue()
         self._queues[request_id] = queue
         return queue
 
@@ -219,6 +245,13 @@ class DeltaChannels:
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(exc)
+
+    def _bound(self, request_id: str, queue: DeltaQueue) -> None:
+        """Past max_unsent_tokens the request's client is not reading: its stream ends it."""
+        limit = self.max_unsent_tokens
+        if limit is not None and queue.num_tokens > limit and queue.on_overflow is not None:
+            overflow, queue.on_overflow = queue.on_overflow, None
+            overflow(queue.num_tokens)
 
     def close(self, request_id: str) -> None:
         """The request ended here. Its replica's subscription stays: the replica ends it once
@@ -246,6 +279,7 @@ class DeltaChannels:
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out)
+                            self._bound(out.request_id, queue)
                 stream = None
                 if not delivered:  # it reached another replica: try again shortly
                     await asyncio.sleep(_RETRY_S)

@@ -81,12 +81,14 @@ class EngineClient:
     def __init__(
         self,
         engine: DeploymentHandle,
+        caller: str,  # this ingress replica's actor name, which the engine replicas watch
         channels: DeltaChannels | None,
         retry_after_s: float,
         request_timeout_s: float,
         on_resume: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine.options(stream=True)
+        self.caller = caller
         self.channels = channels
         self.retry_after_s = retry_after_s
         self.request_timeout_s = request_timeout_s
@@ -208,6 +210,7 @@ class EngineClient:
                 stream.channel_id,
                 replica_id=replica_id,
                 resume=resume,
+                caller=None if self.channels is not None else self.caller,
             )
             first, at = await self._first(stream)
         except BaseException:  # an error answer, or the client left before the first token

@@ -29,7 +29,7 @@ from engine.core.request import Resume
 from engine.core.sampling_params import SamplingParams
 from serve_app import tracing
 from serve_app.config import AppArgs
-from serve_app.delta_channel import ChannelledFirst, Outboxes
+from serve_app.delta_channel import ChannelledFirst, Outboxes, channel_name
 from serve_app.replica_health import health_problem
 
 logger = logging.getLogger(__name__)
@@ -98,13 +98,15 @@ class EngineServer:
         channel: str | None = None,
         replica_id: str | None = None,
         resume: Resume | None = None,
+        caller: str | None = None,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
         deltas then go through that channel's subscription), then one delta per engine step
         (coalesced by stream_interval_s), or one EngineRejection. `replica_id` is read by the
         ingress's request router, which sends the call to that replica (a request's further
         sequences, to the replica holding its prompt's KV blocks). `resume`: the request goes on
-        from where it stopped at a replica that died."""
+        from where it stopped at a replica that died. `caller`: the ingress replica's actor name
+        when there is no channel (the request ends if that actor dies)."""
         if replica_id is not None and replica_id != self.replica_id:
             # Serve's router may hand a choice made for another request to this one.
             yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
@@ -142,9 +144,11 @@ class EngineServer:
             self.metrics.ttft.observe(last_sent - started)
             span.event("first_token")
             final = first
-            outbox = self.outboxes.open(channel) if channel is not None else None
+            # A request on its own call is watched through an outbox that carries nothing.
+            watched = channel or (channel_name(caller, "calls") if caller else None)
+            outbox = self.outboxes.open(watched) if watched is not None else None
             try:
-                yield first if outbox is None else ChannelledFirst(first, self.replica_id)
+                yield first if channel is None else ChannelledFirst(first, self.replica_id)
                 held: RequestOutput | None = None
                 async for out in stream:
                     if outbox is not None and outbox.owner_gone:
@@ -156,14 +160,14 @@ class EngineServer:
                         if k := len(held.new_token_ids):
                             self.latencies.add(self.latencies.itl, (now - last_sent) / k)
                             self.metrics.chunk(now - last_sent, k)
-                        if outbox is None:
+                        if channel is None:
                             yield held
                         else:
                             outbox.put(held)
                         held, last_sent = None, now
             finally:  # also when the caller went away (the engine request was aborted)
                 if outbox is not None:
-                    self.outboxes.close(channel, outbox)
+                    self.outboxes.close(watched, outbox)
                 reason = (final.finish_reason if final.finished else None) or "abort"
                 elapsed = time.monotonic() - started
                 self.metrics.finished(

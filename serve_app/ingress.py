@@ -34,7 +34,7 @@ from serve_app.errors import OpenAIError, install_error_handlers
 from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.prompts import PromptBuilder
 from serve_app.responses import sse_events, whole_body
-from serve_app.streaming import Prepared, closing
+from serve_app.streaming import Prepared, closing, runs_response
 from serve_app.telemetry import IngressMetrics
 
 logger = logging.getLogger(__name__)
@@ -62,16 +62,18 @@ class OpenAIIngress:
         spec = read_spec(self.args.model)
         self.max_model_len = resolve_max_model_len(self.args.engine.max_model_len, spec)
         self.prompts = PromptBuilder(self.args.model)
+        context = serve.get_replica_context()
+        # The engine replicas watch this actor: its requests end if it dies.
+        owner = context.replica_id.to_full_id_str() if context else "local"
         channels: DeltaChannels | None = None
         if self.args.delta_channels:
-            context = serve.get_replica_context()
-            # The engine replicas watch this actor: its requests end if it dies.
-            owner = context.replica_id.to_full_id_str() if context else "local"
-            channels = DeltaChannels(engine, channel_name(owner, uuid.uuid4().hex[:8]))
+            channel_id = channel_name(owner, uuid.uuid4().hex[:8])
+            channels = DeltaChannels(engine, channel_id, self.args.api.max_unsent_tokens)
         self.engine = engine
         self.metrics = IngressMetrics(self.model_name)
         self.client = EngineClient(
             engine,
+            owner,
             channels,
             self.args.retry_after_s,
             self.args.request_timeout_s,
@@ -165,6 +167,7 @@ class OpenAIIngress:
             record = partial(self._record, prep, span, time.perf_counter() - prep.started)
             if body.stream:
                 self.metrics.answered(endpoint, 200)
+                runs_response()
                 events = sse_events(prep, body.model, choices, record)
                 # The response's body outlives this call: it ends the span when it ends.
                 events = closing(events, scope.pop_all())

@@ -22,6 +22,11 @@ def start_local_serve(log_level: str = "INFO") -> int:
     os.environ.setdefault("RAY_worker_niceness", "0")
     # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
     os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
+    # Serve's direct ingress: each ingress replica also serves HTTP on a port of its own
+    # (ingress_url), one Ray hop less per chunk than through the proxy, which keeps working.
+    os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    # Its replicas wait this long for load balancers before stopping; there are none here.
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     import ray
     from ray import serve
 

@@ -65,19 +65,24 @@ def _joined(head: dict | None, tail: dict | None) -> dict | None:
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Every choice's deltas as they come; stopping early (client gone, error) stops them all
-    (each cancels its engine request)."""
+    (each cancels its engine request). A choice's next delta is taken only once its last was
+    consumed, so the deltas of a client that reads slowly wait (and merge) in their channel
+    queues, where their bound applies (api.max_unsent_tokens)."""
     if len(choices) == 1:
         async with contextlib.aclosing(choices[0].deltas) as outs:
             async for out in outs:
                 yield choices[0], out
         return
     queue: asyncio.Queue[tuple[Choice, RequestOutput | BaseException | None]] = asyncio.Queue()
+    consumed = [asyncio.Event() for _ in choices]
 
     async def pump(choice: Choice) -> None:
         try:
             async with contextlib.aclosing(choice.deltas) as outs:
                 async for out in outs:
                     queue.put_nowait((choice, out))
+                    await consumed[choice.index].wait()
+                    consumed[choice.index].clear()
         except Exception as exc:
             queue.put_nowait((choice, exc))
         finally:
@@ -94,6 +99,7 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOu
                 raise item
             else:
                 yield choice, item
+                consumed[choice.index].set()
     finally:
         for task in tasks:
             task.cancel()

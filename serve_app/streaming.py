@@ -5,14 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.outputs import RequestOutput, merge_queued
-from serve_app.delta_channel import DeltaChannels
+from serve_app.delta_channel import DeltaChannels, DeltaQueue
 from serve_app.logprobs_format import LogprobsFormatter
+
+logger = logging.getLogger(__name__)
+
+# The task that runs a streamed response (its route handler's): cancelling it closes the
+# connection. The tasks sending the response and pumping its choices (n > 1) inherit it.
+response_task: contextvars.ContextVar[asyncio.Task | None] = contextvars.ContextVar(
+    "response_task", default=None
+)
+
+
+def runs_response() -> None:
+    """The calling task runs a streamed response (its route handler)."""
+    response_task.set(asyncio.current_task())
 
 
 @dataclass
@@ -40,9 +55,7 @@ class RequestStream:
         self.request_id = request_id
         self.channels = channels
         # Opened before the call starts: the channel may deliver before the call returns.
-        self.queue: asyncio.Queue[RequestOutput | BaseException] | None = (
-            channels.open(request_id) if channels is not None else None
-        )
+        self.queue: DeltaQueue | None = channels.open(request_id) if channels is not None else None
         self.call: Any = None  # the engine call's response stream, set by its starter
 
     @property
@@ -65,6 +78,8 @@ class RequestStream:
 
     async def deltas(self, first: RequestOutput) -> AsyncIterator[RequestOutput]:
         done = False
+        if self.queue is not None:
+            self.queue.on_overflow = self._not_read(response_task.get())
         try:
             yield first
             done = first.finished
@@ -84,9 +99,25 @@ class RequestStream:
                 self.call.cancel()
             self.close()
 
-    async def _channelled(
-        self, queue: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
+    def _not_read(self, reader: asyncio.Task | None) -> Callable[[int], None]:
+        """What ends the request once its client stops reading: the engine request is
+        aborted, and `reader` (the task sending its streamed response, blocked in a send the
+        client does not take) is cancelled, which closes the connection."""
+
+        def overflow(num_tokens: int) -> None:
+            logger.warning(
+                "request %s: %d tokens wait for a client that does not read; ending it",
+                self.request_id,
+                num_tokens,
+            )
+            self.call.cancel()
+            self.close()
+            if reader is not None:
+                reader.cancel()
+
+        return overflow
+
+    async def _channelled(self, queue: DeltaQueue) -> AsyncIterator[RequestOutput]:
         watcher = asyncio.get_running_loop().create_task(self._watch())
         try:
             while True:

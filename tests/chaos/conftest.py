@@ -17,9 +17,11 @@ APP = "chaos"
 
 
 def chaos_args(model: str, **overrides: Any) -> dict[str, Any]:
-    """The chaos app's args: the tests' sizes, fast health checks, a long request timeout."""
+    """The chaos app's args: the tests' sizes, fast health checks, a long request timeout, a
+    small bound on the tokens waiting for a client that does not read."""
     health = {"check_period_s": 1, "check_timeout_s": 2}
-    return app_args(model, request_timeout_s=60, health=health, **overrides)
+    api = {"max_unsent_tokens": 64}
+    return app_args(model, request_timeout_s=60, health=health, api=api, **overrides)
 
 
 def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:

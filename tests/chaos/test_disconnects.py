@@ -1,22 +1,25 @@
 """Chaos: 200 clients that go away at random moments (before the first byte, mid-stream,
-whole requests too), or the ingress replica killed under 16 streams, leave nothing behind:
-within 10 s every engine replica has no request and every KV block free, and the app serves
-the next request."""
+whole requests too), the ingress replica killed under 16 streams, or a client that stops
+reading, leave nothing behind: within 10 s every engine replica has no request and every KV
+block free, and the app serves the next request."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.chaos.conftest import engine_replica_stats
+from serve_app.local_cluster import ingress_url
+from tests.chaos.conftest import deploy, engine_replica_stats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,7 +79,58 @@ def test_two_hundred_random_disconnects_leave_no_request_and_no_block(serve_clus
     assert resp.status_code == 200
 
 
-def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
+def _aborted(stats) -> int:
+    return sum(s["num_finished_total"].get("abort", 0) for s in stats)
+
+
+def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(serve_cluster, chaos_app):
+    """On the ingress replica's own port (Serve's direct ingress, where the ingress's sends
+    wait for the client): 16 choices of 480 tokens with 20 top logprobs each (about 16 MB of
+    events) to a socket that reads nothing. Once the kernel's buffers are full and
+    max_unsent_tokens (64) wait for a choice, the request is aborted (long before its end)
+    and the connection closed; another client is served meanwhile."""
+    port = int(serve_cluster.base_url.rsplit(":", 1)[1])
+    base = ingress_url(chaos_app, port)
+    assert base != serve_cluster.base_url  # the test cluster runs direct ingress
+    host, direct_port = base.removeprefix("http://").split(":")
+    base += f"/{chaos_app}"  # the app's route prefix, as through the proxy
+    before = _aborted(engine_replica_stats(serve_cluster).values())
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "flood"}], "n": 16}
+    body |= {"max_tokens": 480, "ignore_eos": True, "stream": True}
+    body |= {"logprobs": True, "top_logprobs": 20}
+    data = json.dumps(body).encode()
+    head = f"POST /{chaos_app}/v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(direct_port)))
+        sock.sendall(head.encode() + data)
+        reader = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "tiny", "prompt": "reading", "max_tokens": 64, "ignore_eos": True},
+            timeout=60,
+        )
+        assert reader.status_code == 200 and reader.json()["usage"]["completion_tokens"] == 64
+        deadline = time.monotonic() + 60
+        while True:
+            stats = engine_replica_stats(serve_cluster).values()
+            idle = all(
+                s["num_running"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
+                for s in stats
+            )
+            if idle and _aborted(stats) - before >= 16:
+                break
+            assert time.monotonic() < deadline, list(stats)
+            time.sleep(0.5)
+        # The server closed the connection: what the kernel holds, then the end.
+        sock.settimeout(30)
+        received = 0
+        while chunk := sock.recv(1 << 20):
+            received += len(chunk)
+    assert 0 < received < 8 << 20
+
+
+def _kill_the_ingress_under_streams(serve_cluster, chaos_app) -> None:
     """Its engine requests are aborted and their blocks freed within 10 s (Ray never closes a
     dead caller's streams: the engine replicas watch the ingress replicas they serve)."""
     url = f"{serve_cluster.v1(chaos_app)}/completions"
@@ -93,10 +147,7 @@ def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
                     async for _ in resp.aiter_raw():
                         pass
 
-        def aborted(stats) -> int:
-            return sum(s["num_finished_total"].get("abort", 0) for s in stats)
-
-        before = aborted((await asyncio.to_thread(engine_replica_stats, serve_cluster)).values())
+        before = _aborted((await asyncio.to_thread(engine_replica_stats, serve_cluster)).values())
         tasks = [asyncio.create_task(one()) for _ in range(16)]
         deadline = time.monotonic() + 60
         while True:  # (the stats helper blocks: it runs beside this loop)
@@ -123,7 +174,7 @@ def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
             assert time.monotonic() - killed < 10, list(stats)
             await asyncio.sleep(0.5)
         # Ended by abort, not run to their 480 tokens.
-        assert aborted(stats) - before >= 8
+        assert _aborted(stats) - before >= 8
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -137,3 +188,18 @@ def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
                 break
         assert time.monotonic() < deadline
         time.sleep(1)
+
+
+def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
+    _kill_the_ingress_under_streams(serve_cluster, chaos_app)
+
+
+def test_a_killed_ingress_leaves_no_request_running_without_delta_channels(
+    serve_cluster, chaos_app
+):
+    """Each request's deltas on its own call: the engine replicas watch its caller too."""
+    deploy(serve_cluster, delta_channels=False)
+    try:
+        _kill_the_ingress_under_streams(serve_cluster, chaos_app)
+    finally:
+        deploy(serve_cluster)

@@ -1,7 +1,8 @@
-"""Chaos: an engine replica killed (SIGKILL) mid-stream loses no accepted request. Its
-streams and whole responses go on at the other replica from the tokens already sent, equal
-token for token to an undisturbed run; requests sent just after are served at once; every
-replica ends with every KV block free.
+"""Chaos: an engine replica killed (SIGKILL) or stopped (SIGSTOP) mid-stream loses no accepted
+request. Its streams and whole responses go on at the other replica from the tokens already
+sent, equal token for token to an undisturbed run; requests sent just after are served at
+once; every replica ends with every KV block free. The cluster controller killed mid-stream
+fails no request either: the engines keep their last limits until it is back.
 
 Runs on the `chaos` app (tests/chaos/conftest.py)."""
 
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -121,3 +123,46 @@ def test_health_answers_503_while_no_engine_replica_answers(serve_cluster, chaos
     client = openai.OpenAI(base_url=serve_cluster.v1(APP), api_key="unused", max_retries=0)
     assert client.completions.create(model="tiny", prompt="back", max_tokens=2).choices
     _free_everywhere(serve_cluster)
+
+
+def test_killing_the_controller_mid_stream_fails_no_request(serve_cluster, undisturbed):
+    """Its reports fail meanwhile (the engines keep their last limits), Serve starts another
+    controller, and control resumes."""
+
+    async def run() -> tuple[list[str], dict[str, dict]]:
+        kill = asyncio.Event()
+        requests = asyncio.create_task(run_all(serve_cluster.v1(APP), kill))
+        await kill.wait()
+        before = await asyncio.to_thread(engine_replica_stats, serve_cluster)
+        found = subprocess.run(
+            ["pgrep", "-f", f"ServeReplica:{APP}:ClusterController"],
+            capture_output=True,
+            text=True,
+        )
+        assert found.stdout.split()
+        for pid in found.stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        return await requests, before
+
+    texts, before = asyncio.run(run())
+    assert texts == undisturbed  # 16 of 16, token for token
+    outage = _stats_once(
+        serve_cluster,
+        lambda now: all(
+            now[r]["num_report_failures"] > before[r]["num_report_failures"] for r in before
+        ),
+    )
+    _stats_once(
+        serve_cluster,
+        lambda now: all(now[r]["num_reports_ok"] > outage[r]["num_reports_ok"] for r in before),
+    )
+    _free_everywhere(serve_cluster)
+
+
+def _stats_once(serve_cluster: ServeCluster, holds, timeout: float = 90.0) -> dict[str, dict]:
+    """The engine replicas' stats, polled until `holds(stats)`."""
+    deadline = time.monotonic() + timeout
+    while not holds(stats := engine_replica_stats(serve_cluster)):
+        assert time.monotonic() < deadline, stats
+        time.sleep(1)
+    return stats
