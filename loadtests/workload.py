@@ -29,7 +29,16 @@ def find_workload(name: str) -> Path:
 def load_workload(
     name: str, vocab_size: int, seed: int = 0, limit: int | None = None
 ) -> list[WorkItem]:
-    spec = json.loads(find_workload(name).read_text())
+    """A workload file's requests, or `random-IN-OUT-N`: N requests of IN prompt tokens and OUT
+    output tokens (vLLM bench's random dataset with fixed lengths)."""
+    if name.startswith("random-"):
+        prompt_len, max_tokens, count = (int(x) for x in name.split("-")[1:])
+        requests = [
+            {"id": i, "prompt_len": prompt_len, "max_tokens": max_tokens} for i in range(count)
+        ]
+        spec = {"requests": requests}
+    else:
+        spec = json.loads(find_workload(name).read_text())
     rng = random.Random(seed)
     items = []
     for req in spec["requests"][:limit]:

@@ -21,9 +21,10 @@ import yaml
 from serve_app.config import AppArgs
 
 
-def _examples(base: str, model: str) -> str:
+def _examples(base: str, model: str, proxy: str) -> str:
     return f"""
 dynabatch is serving `{model}` at {base}/v1
+(the ingress replica's own port; Serve's HTTP proxy serves the same at {proxy}/v1)
 
   curl {base}/v1/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "prompt": "Hello, my name is", "max_tokens": 32}}'
@@ -42,6 +43,14 @@ print(out.choices[0].message.content)"
 """
 
 
+def _answers(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="deploy.yaml")
@@ -55,13 +64,21 @@ def main() -> int:
     host = http.get("host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     prefix = (app.get("route_prefix") or "/").rstrip("/")
-    base = f"http://{host}:{http.get('port', 8000)}{prefix}"
+    port = http.get("port", 8000)
+    proxy = f"http://{host}:{port}{prefix}"
 
     env = dict(os.environ)
     env.setdefault("RAY_worker_niceness", "0")  # Ray's default nice 15 starves the engine
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(512 << 20))
     # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
     env.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
+    # Serve's direct ingress: the ingress replica also serves HTTP on a port of its own, the
+    # next ones after the proxy's, one Ray hop less per streamed chunk (docs/serving.md).
+    env.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 1))
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")  # no load balancer
+    first_direct = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+    direct = [f"http://{host}:{p}{prefix}" for p in range(first_direct, first_direct + 8)]
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
     child = subprocess.Popen([serve_bin, "run", opts.config], env=env)
 
@@ -73,13 +90,11 @@ def main() -> int:
     try:
         deadline = time.monotonic() + opts.timeout
         while child.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        print(_examples(base, args.model_name), flush=True)
-                        break
-            except OSError:
-                time.sleep(1.0)
+            if _answers(proxy):
+                base = next((url for url in direct if _answers(url)), proxy)
+                print(_examples(base, args.model_name, proxy), flush=True)
+                break
+            time.sleep(1.0)
         return child.wait()
     except KeyboardInterrupt:
         stop()

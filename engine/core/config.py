@@ -165,7 +165,9 @@ class EngineConfig:
         "graphs captured at start for padded batch sizes up to max_num_seqs.",
     )
     num_threads: int | None = knob(
-        None, "torch intra-op threads of the engine (CPU). Null: torch's default."
+        None,
+        "torch intra-op threads of the engine (and of its CPU kernels). Null: on the CPU, "
+        "every core the process may run on (logged at start); on a GPU, torch's default.",
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

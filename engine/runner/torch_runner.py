@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -22,12 +23,29 @@ from engine.sampler import Sampler, prompt_token_logprobs
 logger = logging.getLogger(__name__)
 
 
+def set_engine_threads(num_threads: int | None, device: str) -> int:
+    """torch's intra-op threads for this engine (our CPU kernels use as many): `num_threads`,
+    or on the CPU every core this process may run on (Ray sets OpenMP's count from the
+    replica's fractional `num_cpus`, which would leave cores idle), or on a GPU node what Ray
+    gave the process. Logged, and returned."""
+    if num_threads:
+        why = "engine.num_threads"
+    elif device == "cpu":
+        num_threads = len(os.sched_getaffinity(0))
+        why = "the cores this process may run on"
+    else:
+        num_threads = torch.get_num_threads()
+        why = "torch's default from the process's resources"
+    torch.set_num_threads(num_threads)
+    logger.info("engine threads: %d (%s)", num_threads, why)
+    return num_threads
+
+
 class TorchModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         spec = read_spec(config.model)
         max_len = resolve_max_model_len(config.scheduler.max_model_len, spec)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        set_engine_threads(config.num_threads, config.device)
         if config.device == "cpu":
             keep_freed_memory_in_heap()
         self.spec = spec
