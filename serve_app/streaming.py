@@ -101,7 +101,7 @@ class RequestStream:
 
     def _not_read(self, reader: asyncio.Task | None) -> Callable[[int], None]:
         """What ends the request once its client stops reading: the engine request is
-        aborted, and `reader` (the task sending its streamed response, blocked in a send the
+        aborted, and `reader` (the task running its streamed response, waiting on a send the
         client does not take) is cancelled, which closes the connection."""
 
         def overflow(num_tokens: int) -> None:
