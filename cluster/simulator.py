@@ -19,7 +19,7 @@ from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_poli
 from cluster.request_records import RequestRecord, Slo, summarize_records
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
-from engine.core.config import CacheConfig, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.policy import BatchingPolicy, ExternalLimits
@@ -65,6 +65,19 @@ class SimConfig:
     sla: SlaConfig = field(default_factory=SlaConfig)
     slo: Slo = field(default_factory=Slo)
     kv_sample_every: int = 50  # steps between KV-usage samples in the time series
+
+    @classmethod
+    def for_engine(
+        cls, engine: EngineConfig, model: ModelSpec, gpu: GpuSpec, **changes: Any
+    ) -> SimConfig:
+        """The simulated replica of an engine as deploy.yaml's `engine:` configures it: its
+        scheduler and cache knobs, and tensor_parallel_size GPUs sharing the model."""
+        scheduler = engine.scheduler
+        if scheduler.max_model_len == "auto":
+            scheduler = replace(scheduler, max_model_len=SIM_SCHEDULER.max_model_len)
+        cache = replace(engine.cache, enable_prefix_caching=False)
+        tp_model = model.with_tp(engine.tensor_parallel_size)
+        return cls(tp_model, gpu, scheduler=scheduler, cache=cache, **changes)
 
     def with_scheduler(self, **changes: Any) -> SimConfig:
         """A copy with some scheduler knobs changed (a sweep over max_num_seqs, ...)."""

@@ -104,6 +104,7 @@ class AsyncLLMEngine:
                 await self._loop_task
             self._loop_task = None
         self._executor.shutdown(wait=True)
+        self.engine.close()
 
     # ------------------------------------------------------------------------ the loop
     def _timed_step(self) -> list[RequestOutput]:

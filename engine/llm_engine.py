@@ -169,6 +169,12 @@ class LLMEngine:
         for rid in ids:
             self._tracked.pop(rid, None)
 
+    def close(self) -> None:
+        """Release what the runner holds beyond this process (tensor-parallel ranks)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

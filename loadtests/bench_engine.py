@@ -37,6 +37,7 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
         device=args.device,
         dtype=args.dtype,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gb * 2**30)),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -57,6 +58,7 @@ def run_engine(model_dir: str, items: list[WorkItem], batching: str, args) -> di
             for out in engine.step():
                 produced += len(out.new_token_ids)
         wall = time.perf_counter() - start
+    runner.inner.close()
     expected = sum(it.max_tokens for it in items)
     if produced != expected:
         raise RuntimeError(f"{batching}: produced {produced} tokens, expected {expected}")
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-gb", type=float, default=4.0)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="per tensor-parallel rank")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (engine, HF and the peak)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
         "num_requests": len(items),
         "output_tokens": sum(it.max_tokens for it in items),
         "threads": torch.get_num_threads(),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "device": args.device,
         "dtype": args.dtype,
         "host": host_info(),

@@ -2,65 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from serve_app.api_policy import ApiArgs
+from serve_app.engine_args import EngineArgs
 from serve_app.replica_health import HealthArgs
 from serve_app.tracing import TracingArgs
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# deploy.yaml's `engine:` is flat: every knob of these records but the model, under the same
-# name, with the same default and description (engine/core/config.py defines each once).
-_ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
-_NOT_ENGINE_ARGS = {"model", "cache", "scheduler"}
-
-
-def _engine_fields() -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    for record in _ENGINE_RECORDS:
-        hints = typing.get_type_hints(record)
-        for f in dataclasses.fields(record):
-            if f.name not in _NOT_ENGINE_ARGS:
-                fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
-    return fields
-
-
-class _EngineArgsBase(_Strict):
-    """Settings of the engine inside every engine replica (engine/core/config.py)."""
-
-    def engine_config(self, model: str) -> EngineConfig:
-        """The core records; raises InvalidParam (a ValueError) naming a bad knob."""
-        values = self.model_dump()
-
-        def take(record: type) -> dict[str, Any]:
-            names = {f.name for f in dataclasses.fields(record)} - _NOT_ENGINE_ARGS
-            return {name: values[name] for name in names}
-
-        return EngineConfig(
-            model=model,
-            cache=CacheConfig(**take(CacheConfig)),
-            scheduler=SchedulerConfig(**take(SchedulerConfig)),
-            **take(EngineConfig),
-        )
-
-    @model_validator(mode="after")
-    def _validate_in_core(self) -> _EngineArgsBase:
-        self.engine_config(model="")  # the one validation of each knob
-        return self
-
-
-EngineArgs = create_model(
-    "EngineArgs", __base__=_EngineArgsBase, __doc__=_EngineArgsBase.__doc__, **_engine_fields()
-)
 
 
 class BatchingArgs(_Strict):
@@ -197,7 +150,12 @@ class ReplicaArgs(_Strict):
 
     num_replicas: int = Field(1, ge=1, description="Fixed replica count.")
     num_cpus: float = Field(1.0, ge=0.0, description="Ray logical CPUs per replica.")
-    num_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica (0 on CPU machines).")
+    num_gpus: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs per replica (0 on CPU machines; engines: tensor_parallel_size, all on "
+        "one node).",
+    )
 
 
 class AppArgs(_Strict):
@@ -263,6 +221,11 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
+        tp, gpus = self.engine.tensor_parallel_size, self.engine_replicas.num_gpus
+        if tp > 1 and gpus and gpus != tp:  # one GPU per rank, all on the replica's node
+            raise ValueError(
+                f"engine_replicas.num_gpus ({gpus:g}) must equal {tp}, engine.tensor_parallel_size"
+            )
         try:
             self.batching.factory(self.engine.max_num_seqs)
         except ValueError as exc:

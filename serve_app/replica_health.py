@@ -1,8 +1,9 @@
 """When an engine replica counts as unhealthy, so that Serve replaces it (and the ingress
-resumes its requests elsewhere): its step loop died, its steps keep failing (a sticky device
-error: failing fast, such a replica would otherwise attract traffic), or one step has run
-past a timeout (a hung device or a stopped process). Serve asks every `check_period_s` and
-gives up on an answer after `check_timeout_s`; a stopped process never answers."""
+resumes its requests elsewhere): its step loop died, a process of its runner ended (a
+tensor-parallel rank), its steps keep failing (a sticky device error: failing fast, such a
+replica would otherwise attract traffic), or one step has run past a timeout (a hung device,
+a stopped process or rank). Serve asks every `check_period_s` and gives up on an answer after
+`check_timeout_s`; a stopped process never answers."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def health_problem(engine: AsyncLLMEngine, args: HealthArgs) -> str | None:
     """Why the replica is unhealthy, or None."""
     if engine.loop_error is not None:
         return f"engine loop died: {engine.loop_error!r}"
+    runner_problem = getattr(engine.engine.runner, "health_problem", None)
+    problem = runner_problem() if runner_problem is not None else None
+    if problem is not None:  # e.g. a tensor-parallel rank's process ended
+        return problem
     failed = engine.engine.num_failed_steps_in_a_row
     if failed >= args.max_failed_steps:
         return f"{failed} engine steps in a row failed"

@@ -30,6 +30,7 @@ def build_engine(
     device: str = "cpu",
     attention_backend: str = "auto",
     dtype: str = "float32",
+    tensor_parallel_size: int = 1,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
@@ -42,6 +43,7 @@ def build_engine(
             device=device,
             dtype=dtype,
             attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,

@@ -41,8 +41,8 @@ class CacheConfig:
     )
     kv_cache_bytes: int | None = knob(
         None,
-        "KV cache byte budget per replica. Null: 1 GiB on CPU; on a GPU, sized by profiling "
-        "(gpu_memory_fraction).",
+        "KV cache byte budget per replica (its tensor-parallel ranks share it). Null: 1 GiB on "
+        "CPU; on a GPU, sized by profiling (gpu_memory_fraction of each rank's GPU).",
     )
     gpu_memory_fraction: float = knob(
         0.9,
@@ -169,6 +169,13 @@ class EngineConfig:
         "torch intra-op threads of the engine (and of its CPU kernels). Null: on the CPU, "
         "every core the process may run on (logged at start); on a GPU, torch's default.",
     )
+    tensor_parallel_size: int = knob(
+        1,
+        "Devices one engine replica spans (one node): each holds 1/N of every layer's heads "
+        "and MLP columns and of the vocabulary, in its own process (NCCL on CUDA, gloo on the "
+        "CPU). The model's attention heads, KV heads and intermediate size must divide by it. "
+        "On the CPU, num_threads counts per rank.",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -191,3 +198,5 @@ class EngineConfig:
             ">= 1 or null",
             self.num_threads,
         )
+        tp = self.tensor_parallel_size
+        _check(tp >= 1, "tensor_parallel_size", ">= 1", tp)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model.sharding import SliceOf
+
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -62,8 +64,9 @@ def read_index(files: list[Path]) -> dict[str, TensorEntry]:
 
 
 class CheckpointReader:
-    """Copies checkpoint tensors into destination tensors of any device and dtype, keeping
-    one open file and, where needed, one staging buffer (pinned when the target is a GPU)."""
+    """Copies checkpoint tensors, or one rank's slice of them (engine/model/sharding.py), into
+    destination tensors of any device and dtype, keeping one open file and, where needed, one
+    staging buffer (pinned when the target is a GPU). `bytes_read` counts what it read."""
 
     def __init__(self, entries: dict[str, TensorEntry], device: torch.device) -> None:
         self.entries = entries
@@ -71,40 +74,66 @@ class CheckpointReader:
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=self._pin)
         self._file = None
         self._path: Path | None = None
+        self.bytes_read = 0
 
-    def copy_into(self, name: str, dest: torch.Tensor) -> None:
+    def copy_into(self, name: str, dest: torch.Tensor, piece: SliceOf | None = None) -> None:
         entry = self.entries[name]
-        if tuple(dest.shape) != entry.shape:
+        expected = list(dest.shape)
+        if piece is not None:
+            expected[piece.dim] = piece.full
+        if entry.shape != tuple(expected):
             raise ValueError(
-                f"model: weight {name} has shape {entry.shape}, expected {tuple(dest.shape)}"
+                f"model: weight {name} has shape {entry.shape}, expected {tuple(expected)}"
             )
-        direct = dest.device.type == "cpu" and dest.dtype == entry.dtype and dest.is_contiguous()
+        ranges, part = self._plan(entry, dest, piece)
+        total = sum(n for _, n in ranges)
+        direct = part.device.type == "cpu" and part.dtype == entry.dtype and part.is_contiguous()
         if direct:
-            self._read(entry, dest.reshape(-1).view(torch.uint8))
+            self._read(entry, ranges, part.reshape(-1).view(torch.uint8))
             return
-        if self._staging.numel() < entry.nbytes:
-            self._staging = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=self._pin)
-        raw = self._staging[: entry.nbytes]
-        self._read(entry, raw)
-        count = math.prod(entry.shape)
-        dest.copy_(raw.view(entry.dtype)[:count].view(entry.shape))
+        if self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        raw = self._staging[:total]
+        self._read(entry, ranges, raw)
+        part.copy_(raw.view(entry.dtype).view(part.shape))
+
+    @staticmethod
+    def _plan(
+        entry: TensorEntry, dest: torch.Tensor, piece: SliceOf | None
+    ) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """The byte ranges (from the tensor's start) to read, in order, and the part of `dest`
+        they fill (zeroing what the checkpoint does not have)."""
+        if piece is None:
+            return [(0, entry.nbytes)], dest
+        if piece.dim == 0:
+            row_bytes = entry.nbytes // entry.shape[0]
+            count = max(min(piece.length, piece.full - piece.start), 0)
+            dest[count:].zero_()
+            return [(piece.start * row_bytes, count * row_bytes)], dest[:count]
+        elem = entry.nbytes // math.prod(entry.shape)
+        cols, width = entry.shape[1], piece.length * elem
+        starts = ((r * cols + piece.start) * elem for r in range(entry.shape[0]))
+        return [(start, width) for start in starts], dest
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def _read(self, entry: TensorEntry, into: torch.Tensor) -> None:
+    def _read(self, entry: TensorEntry, ranges: list[tuple[int, int]], into: torch.Tensor) -> None:
         if self._path != entry.file:
             self.close()
             self._file = open(entry.file, "rb")  # noqa: SIM115 - kept open across tensors
             self._path = entry.file
         f = self._file
-        f.seek(entry.offset)
         view = memoryview(into.numpy()).cast("B")
         done = 0
-        while done < entry.nbytes:
-            n = f.readinto(view[done:])
-            if not n:
-                raise ValueError(f"model: {entry.file} ends inside tensor {entry.name}")
-            done += n
+        for offset, nbytes in ranges:
+            f.seek(entry.offset + offset)
+            end = done + nbytes
+            while done < end:
+                n = f.readinto(view[done:end])
+                if not n:
+                    raise ValueError(f"model: {entry.file} ends inside tensor {entry.name}")
+                done += n
+        self.bytes_read += done

@@ -7,6 +7,7 @@ attention goes through the AttentionBackend interface.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from engine.cpu.decoder_ops import DecoderOps
 from engine.cpu.packed_weights import PackedLinear
 from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from engine.runner.tensor_parallel import TensorParallel
 
 # Feature-major GEMMs win at decode batch sizes and not at prefill sizes, where the layout
 # transposes cost more than they save (docs/cpu-kernels.md).
@@ -135,18 +139,29 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: DecoderSpec, max_positions: int, native_ops: bool = True) -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        max_positions: int,
+        native_ops: bool = True,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        """`spec` is this decoder's own shape: with `tp`, one rank's shard
+        (engine/model/sharding.py), whose vocabulary stays whole."""
         super().__init__()
         self.spec = spec
+        self.tp = tp
+        self.loaded_bytes = 0  # set by the weight loader
         self.ops = DecoderOps(native_ops)
         # Where the native ops apply (CPU float32), steps of at most this many tokens run
         # feature-major (see `_forward_feature_major`); 0 turns that off. As far as the
         # native GEMM goes (all sizes with its AVX-512 build), since it beats MKL there.
         self.feature_major_max_tokens = max(FEATURE_MAJOR_MAX_TOKENS, self.ops.gemm_fm_max_tokens)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        vocab_rows = spec.vocab_size if tp is None else tp.shard.vocab_rows(spec.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(
@@ -168,7 +183,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Return float32 logits [len(logits_indices), vocab] for the tokens to sample from;
         with `hidden_only`, their final hidden states instead (`logits` finishes them)."""
-        h = self.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
         small = len(input_ids) <= self.feature_major_max_tokens
         if small and self.ops.applies(h) and not hidden_only:
             return self._forward_feature_major(
@@ -179,9 +194,9 @@ class Decoder(nn.Module):
         x = ops.add_rms_norm(h, None, self.layers[0].input_layernorm)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            a = layer.self_attn(x, rotate, kv_cache, backend, metadata)
+            a = self._reduce(layer.self_attn(x, rotate, kv_cache, backend, metadata))
             x = ops.add_rms_norm(h, a, layer.post_attention_layernorm)
-            m = layer.mlp(x, ops)
+            m = self._reduce(layer.mlp(x, ops))
             if i < last:  # the residual add fused with the next layer's input norm
                 x = ops.add_rms_norm(h, m, self.layers[i + 1].input_layernorm)
             else:
@@ -192,7 +207,29 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states."""
-        return self.lm_head(hidden).float()
+        return self._whole_vocab(self.lm_head(hidden)).float()
+
+    # ------------------------------------------------------------- tensor parallelism
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel where split: each rank looks up the ids in its rows, zeros for
+        the others, and the sum over ranks is every row."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        rows = self.embed_tokens.num_embeddings
+        local = input_ids - self.tp.shard.rank * rows
+        outside = (local < 0) | (local >= rows)
+        h = self.embed_tokens(local.clamp(0, rows - 1))
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel projection's partial output."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
+
+    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[tokens, this rank's vocabulary rows] -> [tokens, vocabulary] from every rank."""
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_columns(logits)[:, : self.spec.vocab_size]
 
     def _forward_feature_major(
         self,
@@ -213,15 +250,16 @@ class Decoder(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             a = layer.self_attn.forward_fm(x, rotate, kv_cache, backend, metadata, ops)
+            a = self._reduce(a)
             x = ops.add_rms_norm_fm(h, a, layer.post_attention_layernorm)
-            m = layer.mlp.forward_fm(x, ops)
+            m = self._reduce(layer.mlp.forward_fm(x, ops))
             if i < last:
                 x = ops.add_rms_norm_fm(h, m, self.layers[i + 1].input_layernorm)
             else:
                 h += m
         h = ops.add_rms_norm_fm(h[:, logits_indices].contiguous(), None, self.norm)
         # A [tokens, vocab] view of the [vocab, tokens] product: the sampler reads it as is.
-        return ops.mm_fm(self.lm_head.weight, h).t()
+        return self._whole_vocab(ops.mm_fm(self.lm_head.weight, h).t())
 
     def _gemm_weight_names(self) -> list[str]:
         """The Linear layers only GEMMs read (a tied LM head is the embedding too)."""

@@ -41,6 +41,8 @@ SIZES = {
     "tiny": ModelSize(64, 4, 4, 2, 176, 4096, 2048, 0.1),
     # Head size 64, the smallest FlashInfer's kernels take: CUDA backend tests.
     "tiny-hd64": ModelSize(128, 2, 2, 1, 256, 4096, 2048, 0.1),
+    # Heads, KV heads and MLP columns that 2 and 4 tensor-parallel ranks divide.
+    "tiny-wide": ModelSize(128, 2, 8, 4, 256, 4096, 2048, 0.1),
     # ~100.7M parameters: the standard benchmark model (see ../shared/DESIGN.md).
     "small": ModelSize(768, 12, 12, 4, 2048, 16384, 4096, 0.05),
 }

@@ -9,12 +9,18 @@ staging buffer of the largest tensor otherwise.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.model.checkpoint_reader import CheckpointReader, read_index
 from engine.model.decoder import Decoder
 from engine.model.loader import DecoderSpec, check_model_dir
 from engine.model.rope import RotaryEmbedding
+from engine.model.sharding import SliceOf, checkpoint_slices, shard_spec
+
+if TYPE_CHECKING:
+    from engine.runner.tensor_parallel import TensorParallel
 
 
 def load_decoder(
@@ -24,15 +30,22 @@ def load_decoder(
     dtype: torch.dtype,
     native_ops: bool = True,
     max_positions: int | None = None,
+    tp: TensorParallel | None = None,
 ) -> Decoder:
-    """The checkpoint's decoder on `device` in `dtype`, in eval mode. Raises ValueError
-    naming a weight that is missing or misshaped."""
+    """The checkpoint's decoder on `device` in `dtype`, in eval mode; with `tp`, this rank's
+    shard of it, reading only its slices of the checkpoint (`loaded_bytes` says how much was
+    read). Raises ValueError naming a weight that is missing or misshaped."""
     files = sorted(check_model_dir(model).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {model!r}")
     positions = max_positions or spec.max_position_embeddings
+    full_spec = spec
+    slices: dict[str, SliceOf] = {}
+    if tp is not None:
+        spec = shard_spec(full_spec, tp.shard.world_size)
+        slices = checkpoint_slices(full_spec, tp.shard)
     with torch.device("meta"):
-        decoder = Decoder(spec, positions, native_ops)
+        decoder = Decoder(spec, positions, native_ops, tp)
     decoder = decoder.to(dtype).to_empty(device=device)
     if spec.tie_word_embeddings:  # materialising gave the two modules separate tensors
         decoder.lm_head.weight = decoder.embed_tokens.weight
@@ -47,9 +60,10 @@ def load_decoder(
     try:
         with torch.no_grad():
             for name, dest in targets.items():
-                reader.copy_into(name, dest)
+                reader.copy_into(name, dest, slices.get(name))
     finally:
         reader.close()
+    decoder.loaded_bytes = reader.bytes_read
     return decoder.eval()
 
 

@@ -26,10 +26,12 @@ _GIB = float(1 << 30)
 def kv_cache_budget(
     runner: TorchModelRunner, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int
 ) -> int:
+    # A replica's byte budget is shared by its tensor-parallel ranks (a GPU's by its one rank).
+    ranks = runner.tp.shard.world_size if runner.tp is not None else 1
     if cache.kv_cache_bytes is not None:
-        return cache.kv_cache_bytes
+        return cache.kv_cache_bytes // ranks
     if runner.device.type != "cuda":
-        return CPU_KV_CACHE_BYTES
+        return CPU_KV_CACHE_BYTES // ranks
     device = runner.device
     weights = torch.cuda.memory_allocated(device)
     peak = profile_step_bytes(runner, scheduler, max_model_len)

@@ -8,6 +8,7 @@ import os
 import time
 
 import torch
+from torch.distributed import Store
 
 from engine.attention.base import BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
@@ -15,24 +16,28 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
+from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_budget import kv_cache_budget
+from engine.runner.tensor_parallel import RankWorkers, TensorParallel
 from engine.sampler import Sampler, prompt_token_logprobs
 
 logger = logging.getLogger(__name__)
 
 
-def set_engine_threads(num_threads: int | None, device: str) -> int:
+def set_engine_threads(num_threads: int | None, device: str, world_size: int = 1) -> int:
     """torch's intra-op threads for this engine (our CPU kernels use as many): `num_threads`,
     or on the CPU every core this process may run on (Ray sets OpenMP's count from the
-    replica's fractional `num_cpus`, which would leave cores idle), or on a GPU node what Ray
-    gave the process. Logged, and returned."""
+    replica's fractional `num_cpus`, which would leave cores idle) shared by the engine's
+    `world_size` ranks, or on a GPU node what Ray gave the process. Logged, and returned."""
     if num_threads:
         why = "engine.num_threads"
     elif device == "cpu":
-        num_threads = len(os.sched_getaffinity(0))
+        num_threads = max(len(os.sched_getaffinity(0)) // world_size, 1)
         why = "the cores this process may run on"
+        if world_size > 1:
+            why += f", shared by {world_size} tensor-parallel ranks"
     else:
         num_threads = torch.get_num_threads()
         why = "torch's default from the process's resources"
@@ -42,14 +47,24 @@ def set_engine_threads(num_threads: int | None, device: str) -> int:
 
 
 class TorchModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
-        spec = read_spec(config.model)
-        max_len = resolve_max_model_len(config.scheduler.max_model_len, spec)
-        set_engine_threads(config.num_threads, config.device)
+    def __init__(
+        self, config: EngineConfig, shard: Shard | None = None, store: Store | None = None
+    ) -> None:
+        """Rank 0 of the engine (no `shard`): with tensor_parallel_size N > 1 it starts ranks
+        1..N-1, which build their runners with their shard and rank 0's store."""
+        full_spec = read_spec(config.model)
+        max_len = resolve_max_model_len(config.scheduler.max_model_len, full_spec)
+        world = config.tensor_parallel_size
+        # This rank's shape (the whole model at N = 1): a model N does not divide fails here.
+        spec = shard_spec(full_spec, world)
+        set_engine_threads(config.num_threads, config.device, world)
         if config.device == "cpu":
             keep_freed_memory_in_heap()
         self.spec = spec
         self.device = torch.device(config.device)
+        if world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", shard.rank if shard else 0)
+            torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.dtype)
         self._max_model_len = max_len
         # Chosen before the weights load: a backend that cannot run the model fails fast.
@@ -57,12 +72,32 @@ class TorchModelRunner:
             self.device.type, config.dtype, spec.head_dim, config.cache.block_size
         )
         self.backend, self.backend_reason = get_attention_backend(config.attention_backend, shape)
+        self.workers: RankWorkers | None = None
+        self.tp: TensorParallel | None = None
+        if world > 1 and shard is None:
+            shard, self.workers = Shard(0, world), RankWorkers(config, world)
+            store = self.workers.store
+        try:
+            if world > 1:
+                self.tp = TensorParallel(shard, store, self.device)
+            self._build(config, full_spec, max_len)
+        except BaseException:
+            self.close(kill=True)  # ranks waiting for this one would wait in vain
+            raise
+
+    def _build(self, config: EngineConfig, full_spec: DecoderSpec, max_len: int) -> None:
+        """The weights, the KV cache, the sampler and the decode graphs of this rank."""
+        spec, world = self.spec, config.tensor_parallel_size
         # The native CPU ops are built and used only when the device is the CPU.
         native_ops = self.device.type == "cpu"
-        self.model = load_decoder(config.model, spec, self.device, self.dtype, native_ops)
+        self.model = load_decoder(
+            config.model, full_spec, self.device, self.dtype, native_ops, tp=self.tp
+        )
         self.model.pack_weights()
         self.block_size = config.cache.block_size
         self._num_blocks = self._size_cache(config.cache, config.scheduler)
+        if self.tp is not None:  # every rank holds each block's share of the heads
+            self._num_blocks = self.tp.min(self._num_blocks)
         if self._num_blocks * self.block_size < max_len:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len (%d): longer requests "
@@ -81,8 +116,10 @@ class TorchModelRunner:
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if config.scheduler.preemption_mode == "swap":
             self._num_host_blocks = config.cache.num_host_blocks or (
-                config.cache.swap_space_bytes // self.bytes_per_block()
+                config.cache.swap_space_bytes // world // self.bytes_per_block()
             )
+            if self.tp is not None:
+                self._num_host_blocks = self.tp.min(self._num_host_blocks)
             host_shape = (self._num_host_blocks, *shape[1:])
             pin = self.device.type == "cuda"
             self.host_caches = [
@@ -96,7 +133,8 @@ class TorchModelRunner:
         # Seconds inside the model forward, for the benchmark's overhead figure.
         self.forward_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and self.backend.supports_graphs and not config.enforce_eager:
+        graphable = self.backend.supports_graphs and world == 1
+        if self.device.type == "cuda" and graphable and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.scheduler.max_num_seqs, max_len)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -131,8 +169,34 @@ class TorchModelRunner:
                     dev_k[dst.to(self.device)] = host_k[src].to(self.device)
                     dev_v[dst.to(self.device)] = host_v[src].to(self.device)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.workers is None:
+            return self._execute(scheduler_output)
+        self.workers.send(scheduler_output)  # the other ranks run the same step
+        try:
+            return self._execute(scheduler_output)
+        except Exception as exc:
+            problem = self.workers.problem()
+            if problem is None:
+                raise
+            raise RuntimeError(problem) from exc
+
+    def follow(self, scheduler_output: SchedulerOutput) -> None:
+        """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's)."""
+        self._execute(scheduler_output, sample=False)
+
+    def health_problem(self) -> str | None:
+        """Why this runner cannot step (a tensor-parallel rank's process ended), or None."""
+        return None if self.workers is None else self.workers.problem()
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the other tensor-parallel ranks (they also end when this process ends)."""
+        if self.workers is not None:
+            self.workers.close(kill)
+            self.workers = None
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
         self.sampler.forget(scheduler_output.finished_request_ids)
         if scheduler_output.has_swaps:
             self.swap(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
@@ -155,6 +219,8 @@ class TorchModelRunner:
             # sampled token ids' copy to the host below would wait for them anyway).
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
+        if not sample:
+            return ModelRunnerOutput({})
         sampled = [r for r in order if r.sample]
         prompt_logprobs = {}
         if len(logits) > len(sampled):  # rows for prompt logprobs follow the sampled rows

@@ -129,3 +129,19 @@ def test_offline_trace_same_decisions_under_cost_model_and_torch(tiny_model):
     assert real_preempt > 0  # the case is not trivial
     assert simulated == real
     assert sim_preempt == real_preempt
+
+
+def test_the_simulator_reads_the_engines_tensor_parallel_size():
+    """A 70B model does not fit one A100-80GB; with deploy.yaml's tensor_parallel_size: 4 the
+    simulated replica spans four, as the engine would."""
+    model, gpu = MODELS["Llama-3-70B"], GPUS["A100-80GB"]
+    engine = EngineConfig(model="unused", tensor_parallel_size=4)
+    config = SimConfig.for_engine(engine, model, gpu)
+    assert config.model.tp == 4 and config.scheduler == replace(
+        engine.scheduler, max_model_len=4096
+    )
+    result = Simulator(config).run(trace(40, 4.0))
+    assert result.summary()["finished"] == 40 and result.num_kv_blocks > 0
+    with pytest.raises(ValueError, match="70B@tp1 .* does not fit in 1 x A100-80GB"):
+        one_gpu = SimConfig.for_engine(replace(engine, tensor_parallel_size=1), model, gpu)
+        Simulator(one_gpu).run(trace(1, 1.0))

@@ -51,3 +51,15 @@ def test_batching_args_build_each_policy(policy):
     args = AppArgs.model_validate({**deploy_yaml_args(), "batching": {"policy": policy}})
     built = args.batching.make(args.engine.max_num_seqs)
     assert type(built).__name__.lower().startswith(policy.split("_")[0][:3])
+
+
+def test_tensor_parallel_replicas_take_one_gpu_per_rank():
+    args = deploy_yaml_args()
+    args["engine"] = {**args["engine"], "tensor_parallel_size": 4}
+    assert AppArgs.model_validate(args).engine.engine_config("m").tensor_parallel_size == 4
+    args["engine_replicas"] = {**args["engine_replicas"], "num_gpus": 2}
+    with pytest.raises(pydantic.ValidationError, match="num_gpus .2. must equal 4"):
+        AppArgs.model_validate(args)
+    args["engine"]["tensor_parallel_size"] = 0
+    with pytest.raises(pydantic.ValidationError, match="tensor_parallel_size must be >= 1"):
+        AppArgs.model_validate(args)

@@ -1,0 +1,88 @@
+"""Tensor parallelism's split of a decoder: what one rank of N holds (pure Python).
+
+Rank r holds heads [r*H/N, (r+1)*H/N) of q and of k/v (column-parallel qkv), the same
+columns of o_proj (row-parallel: its output is a partial sum, all-reduced), MLP columns
+[r*I/N, (r+1)*I/N) of gate/up and the same rows of down_proj's input (row-parallel), and
+vocabulary rows [r*V', (r+1)*V') of the embedding and LM head, V' = ceil(V/N) (the last
+rank's rows beyond V are zeros and their logits are dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.core.errors import InvalidParam
+from engine.model.loader import DecoderSpec
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    world_size: int
+
+    def vocab_rows(self, vocab_size: int) -> int:
+        """Embedding and LM head rows each rank holds."""
+        return -(-vocab_size // self.world_size)
+
+    def vocab_start(self, vocab_size: int) -> int:
+        return self.rank * self.vocab_rows(vocab_size)
+
+
+@dataclass(frozen=True)
+class SliceOf:
+    """Which part of a checkpoint tensor a rank reads: `length` entries of dimension `dim`
+    from `start`, of `full` the checkpoint has (fewer where it ends first: the rest of the
+    destination is zeroed)."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
+def shard_spec(spec: DecoderSpec, world_size: int) -> DecoderSpec:
+    """The shape one rank's decoder has (the vocabulary stays whole: the decoder splits it).
+    Raises InvalidParam naming tensor_parallel_size when the model does not divide."""
+    for field, value in (
+        ("num_attention_heads", spec.num_heads),
+        ("num_key_value_heads", spec.num_kv_heads),
+        ("intermediate_size", spec.intermediate_size),
+    ):
+        if value % world_size:
+            raise InvalidParam(
+                "tensor_parallel_size",
+                f"tensor_parallel_size ({world_size}) must divide the model's {field} ({value})",
+            )
+    return replace(
+        spec,
+        num_heads=spec.num_heads // world_size,
+        num_kv_heads=spec.num_kv_heads // world_size,
+        intermediate_size=spec.intermediate_size // world_size,
+    )
+
+
+def checkpoint_slices(full: DecoderSpec, shard: Shard) -> dict[str, SliceOf]:
+    """HF weight name -> the slice rank `shard.rank` reads; names not listed are read whole."""
+    world, rank = shard.world_size, shard.rank
+    q = full.num_heads * full.head_dim // world
+    kv = full.num_kv_heads * full.head_dim // world
+    inter = full.intermediate_size // world
+    rows = shard.vocab_rows(full.vocab_size)
+    slices: dict[str, SliceOf] = {}
+    for i in range(full.num_layers):
+        src = f"model.layers.{i}."
+        kinds = ("weight", "bias") if full.attention_bias else ("weight",)
+        for kind in kinds:
+            for part, size in (("q", q), ("k", kv), ("v", kv)):
+                slices[f"{src}self_attn.{part}_proj.{kind}"] = SliceOf(
+                    0, rank * size, size, size * world
+                )
+        slices[f"{src}self_attn.o_proj.weight"] = SliceOf(1, rank * q, q, q * world)
+        for part in ("gate", "up"):
+            slices[f"{src}mlp.{part}_proj.weight"] = SliceOf(0, rank * inter, inter, inter * world)
+        slices[f"{src}mlp.down_proj.weight"] = SliceOf(1, rank * inter, inter, inter * world)
+    vocab = SliceOf(0, shard.vocab_start(full.vocab_size), rows, full.vocab_size)
+    slices["model.embed_tokens.weight"] = vocab
+    if not full.tie_word_embeddings:
+        slices["lm_head.weight"] = vocab
+    return slices

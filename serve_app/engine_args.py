@@ -1,0 +1,57 @@
+"""deploy.yaml's `engine:` section: every knob of the engine's core records but the model,
+flat, under the same name, with the same default and description (engine/core/config.py
+defines each once)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+
+_ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
+_NOT_ENGINE_ARGS = {"model", "cache", "scheduler"}
+
+
+def _engine_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for record in _ENGINE_RECORDS:
+        hints = typing.get_type_hints(record)
+        for f in dataclasses.fields(record):
+            if f.name not in _NOT_ENGINE_ARGS:
+                fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
+    return fields
+
+
+class _EngineArgsBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    """Settings of the engine inside every engine replica (engine/core/config.py)."""
+
+    def engine_config(self, model: str) -> EngineConfig:
+        """The core records; raises InvalidParam (a ValueError) naming a bad knob."""
+        values = self.model_dump()
+
+        def take(record: type) -> dict[str, Any]:
+            names = {f.name for f in dataclasses.fields(record)} - _NOT_ENGINE_ARGS
+            return {name: values[name] for name in names}
+
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(**take(CacheConfig)),
+            scheduler=SchedulerConfig(**take(SchedulerConfig)),
+            **take(EngineConfig),
+        )
+
+    @model_validator(mode="after")
+    def _validate_in_core(self) -> _EngineArgsBase:
+        self.engine_config(model="")  # the one validation of each knob
+        return self
+
+
+EngineArgs = create_model(
+    "EngineArgs", __base__=_EngineArgsBase, __doc__=_EngineArgsBase.__doc__, **_engine_fields()
+)

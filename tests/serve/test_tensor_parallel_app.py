@@ -1,0 +1,99 @@
+"""An app whose engine replica spans two tensor-parallel ranks (CPU, gloo): the openai client
+gets the tokens of a one-rank replica, and a rank killed mid-stream fails that replica's
+requests with an error naming the rank until Serve has replaced the replica."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.local_serve import ServeCluster, app_args
+
+APP = "tp"
+PROMPTS = ["The cat", "Once upon a time, in a kingdom by the sea,"]
+
+
+@pytest.fixture(scope="module")
+def tp_app(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    from serve_app import build_app
+
+    args = app_args(
+        serve_cluster.model,
+        engine={"tensor_parallel_size": 2},
+        engine_replicas={"num_replicas": 1, "num_cpus": 0.5},
+        health={"check_period_s": 1, "check_timeout_s": 2},
+    )
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    yield APP
+    serve.delete(APP)
+
+
+def _greedy(base_url: str, prompt: str) -> str:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    return out.choices[0].text
+
+
+def _ranks(replica_pid: int) -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-P", str(replica_pid), "-f", "engine.runner.tensor_parallel"],
+        capture_output=True,
+        text=True,
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def test_two_ranks_answer_the_openai_client_as_one_rank(serve_cluster, tp_app):
+    for prompt in PROMPTS:
+        assert _greedy(serve_cluster.v1(APP), prompt) == _greedy(serve_cluster.v1(), prompt)
+    client = openai.OpenAI(base_url=serve_cluster.v1(APP), api_key="unused")
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    stats = serve_cluster.engine_handle(APP).stats.remote().result()
+    assert len(_ranks(stats["pid"])) == 1
+
+
+def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(serve_cluster, tp_app):
+    import os
+    import signal
+
+    before = serve_cluster.engine_handle(APP).stats.remote().result()
+    (rank,) = _ranks(before["pid"])
+    client = openai.OpenAI(base_url=serve_cluster.v1(APP), api_key="unused", max_retries=0)
+    stream = client.completions.create(
+        model="tiny",
+        prompt="A long story",
+        max_tokens=480,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    with pytest.raises(openai.APIError, match="tensor-parallel rank 1"):
+        for i, _ in enumerate(stream):
+            if i == 3:
+                os.kill(rank, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:  # failing requests until Serve has a healthy replica again
+        try:
+            text = _greedy(serve_cluster.v1(APP), PROMPTS[0])
+            after = serve_cluster.engine_handle(APP).stats.remote().result()
+            if after["replica_id"] != before["replica_id"]:
+                break
+        except openai.APIError:
+            pass
+        assert time.monotonic() < deadline, "the replica was not replaced"
+        time.sleep(1)
+    assert text == _greedy(serve_cluster.v1(), PROMPTS[0])
+    assert len(_ranks(after["pid"])) == 1
