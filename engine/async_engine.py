@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput, merge_queued
@@ -49,8 +50,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already in use")
-        # ValueError: bad input
-        request = self.engine.make_request(request_id, prompt, params, priority, resume)
+        # ValueError: bad input. A grammar compiles off the event loop (a big schema takes time).
+        make = partial(self.engine.make_request, request_id, prompt, params, priority, resume)
+        request = await asyncio.to_thread(make) if params and params.structured else make()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._pending_adds.append(request)

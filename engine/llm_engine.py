@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 
 from engine.core.clock import Clock, MonotonicClock
@@ -16,6 +17,8 @@ from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar_bank import GrammarBank
+from engine.model.stop_tokens import eos_token_ids
 from engine.runner.base import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -64,7 +67,7 @@ class LLMEngine:
 
             runner = TorchModelRunner(config)
         self.runner = runner
-        self.eos_token_ids = _eos_token_ids(config.model, tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, tokenizer)
         sched_config = replace(config.scheduler, max_model_len=runner.max_model_len())
         swap = config.scheduler.preemption_mode == "swap"
         kv = KVCacheManager(
@@ -77,9 +80,11 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_config, kv, self.clock)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)
         self._tracked: dict[str, _Tracked] = {}
+        self._grammars: GrammarBank | None = None  # made for the first structured request
+        self._grammars_made = threading.Lock()
         # Steps whose forward raised, since the last that ran: a replica's health reads it.
         self.num_failed_steps_in_a_row = 0
-        self._generate_calls = 0
+        self.num_generate_calls = 0  # offline generate() batches, for request ids
 
     @property
     def policy(self) -> BatchingPolicy | None:
@@ -131,6 +136,8 @@ class LLMEngine:
                 raise InvalidParam(
                     name, f"{name}: token id {bad} is outside the vocabulary [0, {vocab})"
                 )
+        if params.structured is not None:  # compiled here, off the step loop (and cached)
+            self.grammar_bank(params.structured.param).compile(params.structured)
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
         self.scheduler.check_request(request)
         if resume is not None:
@@ -150,7 +157,23 @@ class LLMEngine:
     ) -> None:
         self.add_prepared(self.make_request(request_id, prompt, params, priority))
 
+    def grammar_bank(self, param: str = "response_format") -> GrammarBank:
+        """The engine's structured-output grammars; the runner masks its rows' logits."""
+        with self._grammars_made:  # requests may compile in threads of their own
+            if self._grammars is None:
+                use = getattr(self.runner, "use_grammars", None)
+                if use is None:
+                    raise InvalidParam(param, f"{param}: this engine cannot constrain its output")
+                vocab = self.runner_vocab_size()
+                self._grammars = GrammarBank(self.tokenizer, vocab, self.eos_token_ids)
+                use(self._grammars)
+        return self._grammars
+
     def add_prepared(self, request: Request) -> None:
+        structured = request.sampling_params.structured
+        if structured is not None:
+            done = request.resumed.output_token_ids if request.resumed else []
+            self.grammar_bank().start(request.request_id, structured, done)
         self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
@@ -167,13 +190,11 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.abort_requests(ids)
         for rid in ids:
-            self._tracked.pop(rid, None)
+            self._drop(rid)
 
     def close(self) -> None:
         """Release what the runner holds beyond this process (tensor-parallel ranks)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        getattr(self.runner, "close", lambda: None)()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -201,6 +222,9 @@ class LLMEngine:
             if tracked is None:
                 continue
             text, hit_stop = tracked.detokenizer.update(core.new_token_ids, core.finished)
+            # The grammar's document is whole: it ends the request (even with ignore_eos).
+            grammars = self._grammars
+            hit_stop = hit_stop or (grammars is not None and grammars.terminated(core.request_id))
             finish_reason = core.finish_reason
             if hit_stop:  # a stop string ends the request whatever else happened this step
                 if not core.finished:
@@ -227,13 +251,19 @@ class LLMEngine:
                 )
             )
             if finish_reason is not None:
-                del self._tracked[core.request_id]
+                self._drop(core.request_id)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def _drop(self, request_id: str) -> _Tracked | None:
+        """Forget an ended request (its grammar's matcher too)."""
+        if self._grammars is not None:
+            self._grammars.forget([request_id])
+        return self._tracked.pop(request_id, None)
+
     def _error_output(self, request_id: str, error: str) -> RequestOutput:
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._drop(request_id)
         n_prompt = tracked.request.num_prompt_tokens if tracked else 0
         n_out = tracked.request.num_output_tokens if tracked else 0
         return RequestOutput(request_id, [], "", True, "error", n_prompt, n_out, error=error)
@@ -245,43 +275,9 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Run prompts to completion; results in prompt order."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidParam("params", "params: need one SamplingParams per prompt")
-        self._generate_calls += 1
-        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
-        results: dict[str, GenerationResult] = {}
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            req = self.make_request(rid, prompt, p)
-            self.add_prepared(req)
-            results[rid] = GenerationResult(rid, req.prompt_token_ids, [], "", None)
-        while self.has_unfinished_requests():
-            for out in self.step():
-                res = results.get(out.request_id)
-                if res is None:
-                    continue
-                res.token_ids.extend(out.new_token_ids)
-                res.text += out.new_text
-                if out.finished:
-                    res.finish_reason = out.finish_reason
-        return [results[rid] for rid in ids]
+        from engine.offline import run_to_completion
 
-
-def _eos_token_ids(model: str, tokenizer) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (may list several), else the tokenizer's."""
-    ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-        if eos is not None:
-            ids = list(eos) if isinstance(eos, list | tuple) else [eos]
-    except OSError:
-        pass
-    if not ids and tokenizer.eos_token_id is not None:
-        ids = [tokenizer.eos_token_id]
-    return tuple(ids)
+        return run_to_completion(self, prompts, params)
 
 
 def _logprobs_of(

@@ -12,11 +12,16 @@ per kind over the step's token lists); a step in which no request uses them pays
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.core.outputs import ScheduledRequest, TokenLogprob
 from engine.cpu.decoder_ops import argmax_last_dim
 from engine.draws import uniforms
+
+if TYPE_CHECKING:
+    from engine.grammar_bank import GrammarBank
 
 _INT64 = 1 << 64
 
@@ -25,10 +30,14 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed_source = torch.Generator().manual_seed(seed)
         self._seeds: dict[str, int] = {}  # unseeded requests: a seed drawn at first sight
+        # Structured outputs' grammars, set by the engine once a request carries one.
+        self.grammars: GrammarBank | None = None
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._seeds.pop(rid, None)
+        if self.grammars is not None:
+            self.grammars.forget(request_ids)
 
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
         """logits: [len(requests), vocab] on any device. May modify logits in place."""
@@ -47,16 +56,23 @@ class Sampler:
         for i, req in enumerate(requests):
             if req.banned_token_ids:
                 logits[i, list(req.banned_token_ids)] = float("-inf")
+        grammars = self.grammars
+        constrained = grammars is not None and grammars.holds(requests)
+        if constrained:
+            logits = logits.contiguous()
+            grammars.mask(logits, requests)
         tokens = argmax_last_dim(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             drawn = self.sample_random(logits[rows], [requests[i] for i in random_rows])
             tokens = tokens.index_copy(0, rows, drawn.to(tokens.dtype))
+        token_ids = tokens.tolist()
+        if constrained:
+            grammars.accept(requests, token_ids)
         if not asking:
-            return tokens.tolist(), {}
-        logprobs = _logprobs(raw, tokens[at], [requests[i] for i in asking])
-        return tokens.tolist(), logprobs
+            return token_ids, {}
+        return token_ids, _logprobs(raw, tokens[at], [requests[i] for i in asking])
 
     def sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Token ids [len(requests)] for rows that sample (temperature > 0)."""

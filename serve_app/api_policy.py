@@ -54,6 +54,17 @@ class ApiArgs(BaseModel):
     keys_for_health_and_metrics: bool = Field(
         False, description="Ask for a key on /health and /metrics too."
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes",
+        description="How the model writes tool calls when tool_choice is auto: hermes "
+        "(Hermes, Qwen: <tool_call>{...}</tool_call> blocks) or llama3_json (Llama 3: a JSON "
+        '{"name", "parameters"} object). required and named tool choices are held by a grammar.',
+    )
+    reasoning_parser: Literal["none", "think"] = Field(
+        "none",
+        description="think: the model's leading <think>...</think> (reasoning models: Qwen3, "
+        "DeepSeek-R1) is returned as the chat message's reasoning_content, not its content.",
+    )
 
     def keys(self) -> frozenset[str]:
         """The configured keys and those of the environment variable, read now."""

@@ -36,6 +36,7 @@ from serve_app.prompts import PromptBuilder
 from serve_app.responses import sse_events, whole_body
 from serve_app.streaming import Prepared, closing, runs_response
 from serve_app.telemetry import IngressMetrics
+from serve_app.tool_calls import hold_to_tools, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +208,15 @@ class OpenAIIngress:
                 "(an engine replica's capacity)"
             )
             raise OpenAIError(400, message, param=field)
+        planned = None
         try:
             if isinstance(body, oai.ChatCompletionRequest):
                 if len(body.messages) > self.args.api.max_messages:
                     raise InvalidParam(
                         "messages", f"messages: at most {self.args.api.max_messages} per request"
                     )
-                prompt_ids = self.prompts.chat(body.messages)
+                planned = plan_tools(body.tools, body.tool_choice, self.args.api.tool_call_parser)
+                prompt_ids = self.prompts.chat(body.messages, body.tools if planned else None)
                 requested = body.requested_max_tokens
             else:
                 prompt = body.single_prompt()
@@ -226,6 +229,8 @@ class OpenAIIngress:
             if max_tokens > room or room < 1:
                 raise self._too_long(endpoint, len(prompt_ids), max(max_tokens, 1))
             params = body.sampling_params(max_tokens)
+            if planned is not None:
+                hold_to_tools(params, *planned, body.parallel_tool_calls is not False)
         except InvalidParam as exc:
             raise OpenAIError.bad_request(exc) from None
         formatter = None
@@ -248,6 +253,8 @@ class OpenAIIngress:
             logprobs=formatter,
             n=body.n,
             echo_text=echo_text,
+            tools=planned[0] if planned else None,
+            reasoning=endpoint == "chat" and self.args.api.reasoning_parser == "think",
         )
 
     def _too_long(self, endpoint: str, prompt: int, completion: int) -> OpenAIError:

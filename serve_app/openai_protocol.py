@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.core.errors import InvalidParam
 from engine.core.sampling_params import SamplingParams
+from serve_app.structured_fields import GUIDED_FIELDS, structured_output
 
 
 class _Body(BaseModel):
@@ -56,8 +57,14 @@ class _SamplingFields(_Body):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted at their neutral values only (structured outputs and tools are not served yet).
+    # Structured outputs (serve_app/structured_fields.py): OpenAI's, and vLLM's two spellings.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Chat only (serve_app/tool_calls.py); completions accept their neutral values.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -81,13 +88,10 @@ class _SamplingFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) of the first field we accept syntactically but cannot honour."""
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            return "response_format", f"response_format {kind!r} is not supported yet"
         if self.tools:
-            return "tools", "tools are not supported yet"
+            return "tools", "tools are served on /v1/chat/completions"
         if self.tool_choice not in _NEUTRAL_TOOL_CHOICES:
-            return "tool_choice", "tool_choice other than none/auto is not supported yet"
+            return "tool_choice", "tool_choice is served on /v1/chat/completions"
         return None
 
     def ignored_fields(self) -> list[str]:
@@ -117,6 +121,11 @@ class _SamplingFields(_Body):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            structured=structured_output(
+                self.response_format,
+                self.structured_outputs,
+                {name: getattr(self, name) for name in GUIDED_FIELDS},
+            ),
         )
 
     def requested_logprobs(self) -> int | None:
@@ -178,6 +187,8 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, str) or self.content is None:
@@ -202,7 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        return super().unsupported()
+        return None  # tools are served here (serve_app/tool_calls.py)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -239,11 +250,16 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`extra`: more fields of the message (tool_calls, reasoning_content)."""
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": {"role": "assistant", "content": text, **(extra or {})},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.core.errors import InvalidParam
@@ -25,16 +26,40 @@ class PromptBuilder:
             )
         return list(prompt)
 
-    def chat(self, messages: list[Any]) -> list[int]:
-        """The chat template applied to the messages (text content), with the generation
-        prompt."""
-        turns = [{"role": m.role, "content": m.text()} for m in messages]
+    def chat(self, messages: list[Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template applied to the messages (text content, an assistant's tool calls,
+        tool results) and the tools, with the generation prompt."""
+        turns = [_turn(m) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                turns, add_generation_prompt=True, tokenize=False
+                turns, tools=tools or None, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # jinja raises on role orders a template does not allow
             raise InvalidParam(
                 "messages", f"messages: the chat template rejected them: {exc}"
             ) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _turn(message: Any) -> dict[str, Any]:
+    """A message as chat templates read it: tool call arguments as objects (templates render
+    them as JSON), not the JSON text OpenAI's API carries."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise InvalidParam("messages", "messages: a tool call needs a function name")
+            arguments = function.get("arguments") or "{}"
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                raise InvalidParam(
+                    "messages", "messages: tool call arguments must be a JSON text"
+                ) from None
+            calls.append({"type": "function", "function": {**function, "arguments": arguments}})
+        turn["tool_calls"] = calls
+    return turn

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.core.outputs import RequestOutput, TokenLogprob
 from serve_app import openai_protocol as oai
+from serve_app.chat_deltas import ChatDeltas, whole_message
 from serve_app.errors import OpenAIError
 from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.streaming import Prepared
@@ -122,6 +123,7 @@ async def sse_events(
     if prep.include_usage:
         base["usage"] = None
     formatters = _formatters(prep, len(choices))
+    messages = [ChatDeltas(prep.tools, prep.reasoning) for _ in choices] if chat else []
     failed = False
 
     def event(choice: dict[str, Any]) -> str:
@@ -139,12 +141,17 @@ async def sse_events(
             if out.new_text or finish or logprobs:
                 return [event(oai.completion_choice(c.index, out.new_text, finish, logprobs))]
             return []
-        events = []
-        if out.new_text or logprobs:
-            delta = {"content": out.new_text}
-            events.append(event(oai.chat_delta_choice(c.index, delta, None, logprobs)))
+        message = messages[c.index]
+        deltas = message.feed(out.new_text, finish is not None)
+        if logprobs and not deltas:
+            deltas = [{"content": ""}]
+        events = [
+            event(oai.chat_delta_choice(c.index, delta, None, logprobs if i == 0 else None))
+            for i, delta in enumerate(deltas)
+        ]
         if finish:
-            events.append(event(oai.chat_delta_choice(c.index, {}, finish)))
+            reason = message.finish_reason(finish)
+            events.append(event(oai.chat_delta_choice(c.index, {}, reason)))
         return events
 
     for c in choices:
@@ -210,7 +217,8 @@ async def whole_body(
             logprobs = _joined(echoed, formatter.format(seq.token_ids, seq.logprobs))
         text, reason = "".join(seq.text), choices[i].last.finish_reason
         if prep.endpoint == "chat":
-            out_choices.append(oai.chat_choice(index, text, reason, logprobs))
+            content, extra, reason = whole_message(text, prep.tools, prep.reasoning, reason)
+            out_choices.append(oai.chat_choice(index, content, reason, logprobs, extra))
         else:
             out_choices.append(
                 oai.completion_choice(index, (prep.echo_text or "") + text, reason, logprobs)

@@ -15,6 +15,7 @@ from typing import Any
 from engine.core.outputs import RequestOutput, merge_queued
 from serve_app.delta_channel import DeltaChannels, DeltaQueue
 from serve_app.logprobs_format import LogprobsFormatter
+from serve_app.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Prepared:
     logprobs: LogprobsFormatter | None = None  # when the request asks for them
     n: int = 1  # choices in the response
     echo_text: str | None = None  # completions' `echo`: the prompt, before each choice's text
+    tools: ToolPlan | None = None  # chat: how the output becomes tool calls
+    reasoning: bool = False  # chat: a leading <think>...</think> is reasoning_content
 
 
 class RequestStream:

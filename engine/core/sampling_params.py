@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.core.errors import InvalidParam
 
 # Below this a temperature is greedy (as vLLM): dividing logits by it overflows float32.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output held to a grammar: `json` (a JSON schema, as JSON text), `json_object` (any JSON
+    object), `regex`, `choice` (exactly one of `choices`), `grammar` (EBNF text). `param` is
+    the request field it came from, named by errors."""
+
+    kind: StructuredKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = "response_format"
 
 
 @dataclass
@@ -43,6 +59,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Every token the grammar allows, and the request ends at its accept state.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

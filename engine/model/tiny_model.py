@@ -16,10 +16,39 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
+# Qwen's shape: tools listed in the system turn, an assistant's calls as <tool_call> blocks,
+# tool results as <tool_response> in a user turn; without tools, every message as it is.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOL_CALL_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
+    "{% set system_first = messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if system_first %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ " + repr(TOOLS_PREAMBLE) + " }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ " + repr(TOOL_CALL_FORMAT) + " + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and system_first and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 

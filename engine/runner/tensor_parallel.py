@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -92,9 +93,10 @@ class RankWorkers:
 
     def send(self, step: Any) -> None:
         """Every worker gets the step (None: stop). Raises RuntimeError naming a dead rank."""
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
         try:
             for connection in self._connections:
-                connection.send(step)
+                connection.send_bytes(data)
         except OSError as exc:
             raise RuntimeError(self.problem() or f"tensor-parallel rank lost: {exc!r}") from exc
 
@@ -113,7 +115,7 @@ class RankWorkers:
         for connection in self._connections:
             try:
                 if not kill:
-                    connection.send(None)
+                    connection.send_bytes(pickle.dumps(None))
                 connection.close()
             except OSError:
                 pass
@@ -135,7 +137,7 @@ def run_rank(connection: Connection) -> None:
     runner = TorchModelRunner(config, shard=shard, store=store)
     while True:
         try:
-            step = connection.recv()
+            step = pickle.loads(connection.recv_bytes())
         except (EOFError, OSError):
             break
         if step is None:

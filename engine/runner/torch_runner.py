@@ -15,6 +15,7 @@ from engine.attention.registry import AttentionShape, get_attention_backend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
+from engine.grammar_bank import GrammarBank
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
@@ -184,6 +185,9 @@ class TorchModelRunner:
     def follow(self, scheduler_output: SchedulerOutput) -> None:
         """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's)."""
         self._execute(scheduler_output, sample=False)
+
+    def use_grammars(self, grammars: GrammarBank) -> None:
+        self.sampler.grammars = grammars  # structured outputs: the sampler masks their rows
 
     def health_problem(self) -> str | None:
         """Why this runner cannot step (a tensor-parallel rank's process ended), or None."""

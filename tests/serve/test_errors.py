@@ -42,7 +42,14 @@ def _error(resp: httpx.Response) -> dict:
         ({"logit_bias": {"5": 500}}, "logit_bias"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format",
+        ),
+        ({"guided_regex": "("}, "guided_regex"),  # refused by the engine replica's compiler
+        ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
