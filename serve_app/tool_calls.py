@@ -121,20 +121,30 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, A
     if plan.mode == "named":
         return None, [call(plan.named, text)]
     if plan.mode == "required":  # the arguments as generated, as they were streamed
-        calls = [call(name, args) for name, args, whole in required_calls_so_far(text) if whole]
+        calls = [call(name, args) for name, args, whole in calls_so_far(text) if whole]
         return (None, calls) if calls else (text, [])
     if plan.parser == "llama3_json":
         return _llama3_calls(plan, text)
-    calls = []
-    for block in HERMES_CALL.findall(text):
-        item = _call_object(block, plan.names)
-        if item is None:
-            return text, []  # a malformed block: the text stays content
-        calls.append(item)
-    if not calls:
-        return text, []
-    content = HERMES_CALL.sub("", text).strip()
+    blocks = HERMES_CALL.findall(text)
+    calls = [_hermes_call(block, plan.names) for block in blocks]
+    if not calls or None in calls:
+        return text, []  # no call, or a malformed one: the text stays content
+    content = text[: text.find("<tool_call>")].strip()  # as vLLM: the text before the calls
     return content or None, calls
+
+
+def _hermes_call(block: str, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """One block's call: its arguments as written where the block reads `{"name": ...,
+    "arguments": ...}` (as they were streamed), else re-serialised from any key order."""
+    found = calls_so_far(block)
+    if found and found[0][2] and found[0][0] in names:
+        name, arguments, _ = found[0]
+        try:
+            json.loads(arguments)
+            return call(name, arguments)
+        except json.JSONDecodeError:
+            return None
+    return _call_object(block, names)
 
 
 def _llama3_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -163,9 +173,10 @@ def _call_object(
 
 @dataclass
 class ToolCallStream:
-    """One choice's streamed tool calls: each delta of text in, OpenAI's `delta`s out. Named
-    and required calls stream their arguments as they are generated; auto streams content
-    until a call starts and each call whole once its block closes."""
+    """One choice's streamed tool calls: each delta of text in, OpenAI's `delta`s out. Calls
+    stream their id and name, then their arguments as they are generated (auto: Hermes blocks
+    written name first; other calls whole once the output ends); auto streams the content
+    before the first call, holding back what may start a tag."""
 
     plan: ToolPlan
     text: str = ""
@@ -177,7 +188,7 @@ class ToolCallStream:
         if self.plan.mode == "named":
             return self._arguments([(self.plan.named, self.text, True)])
         if self.plan.mode == "required":
-            return self._arguments(required_calls_so_far(self.text))
+            return self._arguments(calls_so_far(self.text))
         return self._auto(finished)
 
     def _arguments(self, calls: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
@@ -196,8 +207,9 @@ class ToolCallStream:
         return [{"tool_calls": [d]} for d in deltas]
 
     def _auto(self, finished: bool) -> list[dict[str, Any]]:
-        start = self.text.find("<tool_call>") if self.plan.parser == "hermes" else -1
-        if self.plan.parser == "llama3_json" and self.text.lstrip().startswith(("{", "<|python")):
+        hermes = self.plan.parser == "hermes"
+        start = self.text.find("<tool_call>") if hermes else -1
+        if not hermes and self.text.lstrip().startswith(("{", "<|python")):
             start = 0
         visible = self.text if start < 0 else self.text[:start]
         if start < 0 and not finished:  # hold back what may be the start of a tag
@@ -206,14 +218,20 @@ class ToolCallStream:
         if len(visible) > self.content_sent:
             deltas.append({"content": visible[self.content_sent :]})
             self.content_sent = len(visible)
-        if finished and start >= 0:
+        if start < 0:
+            return deltas
+        if hermes:  # calls written as {"name": ..., "arguments": ...} stream their arguments
+            blocks = [b.split("</tool_call>")[0] for b in self.text[start:].split("<tool_call>")]
+            growing = [found[0] for b in blocks if (found := calls_so_far(b))]
+            growing = [c for c in growing if c[0] in self.plan.names]
+            deltas += self._arguments(growing)
+        if finished:
             _, calls = parse_calls(self.plan, self.text)
-            if calls:
-                for index, c in enumerate(calls):
-                    deltas.append({"tool_calls": [{"index": index, **c}]})
-                    self.sent.append((c["id"], len(c["function"]["arguments"])))
-            elif len(self.text) > self.content_sent:  # not a call after all: it is content
-                deltas.append({"content": self.text[self.content_sent :]})
+            for index, c in enumerate(calls[len(self.sent) :], start=len(self.sent)):
+                deltas.append({"tool_calls": [{"index": index, **c}]})  # each one whole
+                self.sent.append((c["id"], len(c["function"]["arguments"])))
+            if not calls and len(self.text) > self.content_sent and not self.sent:
+                deltas.append({"content": self.text[self.content_sent :]})  # no call after all
         return deltas
 
     @property
@@ -229,15 +247,15 @@ def tag_overlap(text: str, tag: str) -> int:
     return 0
 
 
-_REQUIRED_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
-def required_calls_so_far(text: str) -> list[tuple[str, str, bool]]:
-    """The calls of a (compact, grammar-held) required output so far: (name, the arguments
-    text so far, whether they are whole)."""
+def calls_so_far(text: str) -> list[tuple[str, str, bool]]:
+    """The calls written as `{"name": ..., "arguments": ...}` in `text` so far (a required
+    output, a Hermes block): (name, the arguments text so far, whether they are whole)."""
     calls = []
     position = 0
-    while match := _REQUIRED_CALL.search(text, position):
+    while match := _CALL_HEAD.search(text, position):
         end = _value_end(text, match.end())
         arguments = text[match.end() : len(text) if end is None else end]
         calls.append((json.loads(f'"{match.group(1)}"'), arguments, end is not None))

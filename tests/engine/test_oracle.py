@@ -62,18 +62,24 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
+def scenario_engine(model: str, scenario: str, **engine_args) -> LLMEngine:
+    """An engine sized and scheduled as SCENARIOS[scenario] says."""
     block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
-    engine = build_engine(
-        tiny_model,
+    return build_engine(
+        model,
         block_size,
         num_blocks,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         batching=batching,
+        **engine_args,
     )
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_tokens_match_hf_generate(tiny_model, oracle, scenario, seed):
+    engine = scenario_engine(tiny_model, scenario)
     rng = random.Random(seed)
     n = 14
     prompts = random_prompts(seed, n, max_len=50)

@@ -21,7 +21,7 @@ from engine.model.sharding import Shard
 from engine.model.tiny_model import make_model
 from engine.model.weight_loader import load_decoder
 from tests.conftest import REPO, build_engine, tiny_model_dir
-from tests.engine.test_oracle import SCENARIOS, random_prompts, run_mix
+from tests.engine.test_oracle import random_prompts, run_mix, scenario_engine
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +31,7 @@ def wide_model() -> str:
 
 
 def _mix(model: str, scenario: str, world: int, seed: int = 0) -> dict[int, list[int]]:
-    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
-    engine = build_engine(
-        model,
-        block_size,
-        num_blocks,
-        tensor_parallel_size=world,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        batching=batching,
-    )
+    engine = scenario_engine(model, scenario, tensor_parallel_size=world)
     try:
         rng = random.Random(seed)
         prompts = random_prompts(seed, 12, max_len=40)

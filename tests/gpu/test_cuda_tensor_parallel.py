@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from tests.conftest import REPO, build_engine
-from tests.engine.test_oracle import SCENARIOS, random_prompts, run_mix
+from tests.conftest import REPO
+from tests.engine.test_oracle import random_prompts, run_mix, scenario_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,23 +25,14 @@ def test_two_gpus_give_the_tokens_of_one(scenario):
     from engine.model.tiny_model import make_model
 
     model = str(make_model(REPO / "models" / "tiny-wide", size="tiny-wide"))
-    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
     rng = random.Random(0)
     prompts = random_prompts(0, 12, max_len=40)
     max_tokens = [rng.randint(1, 20) for _ in prompts]
     arrive_at = [rng.randint(0, 6) for _ in prompts]
     tokens = []
     for world in (1, 2):
-        engine = build_engine(
-            model,
-            block_size,
-            num_blocks,
-            device="cuda",
-            attention_backend="torch",
-            tensor_parallel_size=world,
-            max_num_seqs=max_seqs,
-            max_num_batched_tokens=budget,
-            batching=batching,
+        engine = scenario_engine(
+            model, scenario, device="cuda", attention_backend="torch", tensor_parallel_size=world
         )
         try:
             tokens.append(run_mix(engine, prompts, max_tokens, arrive_at))

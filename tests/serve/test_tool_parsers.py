@@ -9,7 +9,7 @@ import json
 import pytest
 
 from serve_app.chat_deltas import ChatDeltas, whole_message
-from serve_app.tool_calls import ToolPlan, parse_calls, required_calls_so_far
+from serve_app.tool_calls import ToolPlan, calls_so_far, parse_calls
 
 HERMES = ToolPlan("auto", ("get_weather", "add"))
 LLAMA3 = ToolPlan("auto", ("get_weather", "add"), parser="llama3_json")
@@ -26,12 +26,12 @@ def _stream(plan: ToolPlan | None, text: str, step: int, reasoning: bool = False
         out += deltas.feed(text[i : i + step], i + step >= len(text))
     content = "".join(d.get("content", "") for d in out)
     thought = "".join(d.get("reasoning_content", "") for d in out)
-    calls = [
-        (c["function"]["name"], c["function"]["arguments"])
-        for d in out
-        for c in d.get("tool_calls", [])
-        if "id" in c
-    ]
+    calls: dict[int, list[str]] = {}  # index -> [name, arguments]: as clients put them together
+    for c in (c for d in out for c in d.get("tool_calls", [])):
+        name_and_args = calls.setdefault(c["index"], ["", ""])
+        name_and_args[0] = c["function"].get("name") or name_and_args[0]
+        name_and_args[1] += c["function"].get("arguments", "")
+    calls = [tuple(calls[i]) for i in sorted(calls)]
     return content, thought, calls, deltas.finish_reason("stop")
 
 
@@ -51,6 +51,19 @@ def test_streamed_hermes_calls_equal_the_whole_ones(step):
     assert content.strip() == whole_content and reason == whole_reason == "tool_calls"
     whole_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in extra["tool_calls"]]
     assert calls == whole_calls
+
+
+def test_hermes_arguments_stream_as_they_are_written():
+    deltas = ChatDeltas(HERMES, False)
+    pieces = [d for i in range(0, len(TEXT), 4) for d in deltas.feed(TEXT[i : i + 4], False)]
+    pieces += deltas.feed("", True)
+    arguments = [
+        c["function"]["arguments"]
+        for d in pieces
+        for c in d.get("tool_calls", [])
+        if c["index"] == 0 and "id" not in c
+    ]
+    assert len(arguments) > 3 and "".join(arguments) == '{"city": "Zürich"}'
 
 
 @pytest.mark.parametrize(
@@ -77,9 +90,9 @@ def test_llama3_json_calls():
 
 def test_required_output_is_read_as_it_grows():
     text = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "argu'
-    assert required_calls_so_far(text) == [("add", '{"a": 1, "b": 2}', True)]
+    assert calls_so_far(text) == [("add", '{"a": 1, "b": 2}', True)]
     text = '[{"name": "get_weather", "arguments": {"city": "a\\"}b"'
-    assert required_calls_so_far(text) == [("get_weather", '{"city": "a\\"}b"', False)]
+    assert calls_so_far(text) == [("get_weather", '{"city": "a\\"}b"', False)]
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
