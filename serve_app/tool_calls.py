@@ -58,6 +58,8 @@ def plan_tools(
 ) -> tuple[ToolPlan, dict[str, dict]] | None:
     """The plan for a request's `tools` and `tool_choice` (None: no tool calls), and each
     function's parameters schema. Raises InvalidParam naming the bad field."""
+    if not tools and tool_choice not in (None, "none", "auto"):
+        raise InvalidParam("tool_choice", "tool_choice: a function to call needs `tools`")
     if not tools or tool_choice == "none":
         return None
     parameters: dict[str, dict] = {}

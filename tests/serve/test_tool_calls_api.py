@@ -153,6 +153,7 @@ def test_a_history_of_calls_and_results_is_served(client):
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_bad_tool_fields_answer_400(serve_cluster, tools_app, patch, param):
