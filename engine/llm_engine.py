@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, StepResult
 from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats, TokenLogprob
@@ -197,14 +197,28 @@ class LLMEngine:
         getattr(self.runner, "close", lambda: None)()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.core.in_flight is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     # ------------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        result = self.core.step()
+        """Collect the step in flight, launch the next, and return the collected steps'
+        deltas. With `overlap_steps`, a step the device runs asynchronously stays in flight
+        while the previous step's tokens are detokenized and returned (its stop strings end
+        requests that are in the step in flight: their token from it is dropped)."""
+        core = self.core
+        results = [core.collect()] if core.in_flight is not None else []
+        idle_or_failed = core.launch()
+        if idle_or_failed is not None:
+            results.append(idle_or_failed)
+        elif not (self.config.overlap_steps and core.in_flight.may_overlap):
+            results.append(core.collect())
+        return [delta for result in results for delta in self._deltas(result)]
+
+    def _deltas(self, result: StepResult) -> list[RequestOutput]:
+        """The deltas of one collected step: its tokens' text, stop strings applied."""
         if result.error is not None:
             self.num_failed_steps_in_a_row += 1
             return [self._error_output(o.request_id, result.error) for o in result.outputs]

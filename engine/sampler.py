@@ -48,14 +48,25 @@ class Sampler:
     ) -> tuple[list[int], dict[str, TokenLogprob]]:
         """`sample`, and the log-probabilities of the requests that ask for them: of the raw
         logits (before biases, penalties, temperature and filters), as vLLM reports them."""
+        tokens, logprobs = self.draw(logits, requests)
+        return tokens.tolist(), logprobs
+
+    def draw(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, dict[str, TokenLogprob]]:
+        """The sampled token ids as a tensor on the logits' device, and the log-probabilities
+        of the requests that ask. Waits for the device only for logprobs and grammar rows
+        (their matchers take the tokens now)."""
+        device = logits.device
         asking = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if asking:
-            at = torch.tensor(asking, device=logits.device)
+            at = to_device(asking, device)
             raw = logits[at].float().log_softmax(-1)  # a copy: taken before the adjustments
         adjust_logits(logits, requests)
-        for i, req in enumerate(requests):
-            if req.banned_token_ids:
-                logits[i, list(req.banned_token_ids)] = float("-inf")
+        banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids]
+        if banned:
+            rows, ids = zip(*banned, strict=True)
+            logits[to_device(rows, device), to_device(ids, device)] = float("-inf")
         grammars = self.grammars
         constrained = grammars is not None and grammars.holds(requests)
         if constrained:
@@ -64,23 +75,22 @@ class Sampler:
         tokens = argmax_last_dim(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, device)
             drawn = self.sample_random(logits[rows], [requests[i] for i in random_rows])
             tokens = tokens.index_copy(0, rows, drawn.to(tokens.dtype))
-        token_ids = tokens.tolist()
         if constrained:
-            grammars.accept(requests, token_ids)
+            grammars.accept(requests, tokens.tolist())
         if not asking:
-            return token_ids, {}
-        return token_ids, _logprobs(raw, tokens[at], [requests[i] for i in asking])
+            return tokens, {}
+        return tokens, _logprobs(raw, tokens[at], [requests[i] for i in asking])
 
     def sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Token ids [len(requests)] for rows that sample (temperature > 0)."""
         device = logits.device
         params = [r.sampling_params for r in requests]
-        seeds = torch.tensor([self._seed(r) for r in requests], device=device)
-        counters = torch.tensor([r.num_output_tokens for r in requests], device=device)
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        seeds = to_device([self._seed(r) for r in requests], device)
+        counters = to_device([r.num_output_tokens for r in requests], device)
+        temperature = to_device([p.temperature for p in params], device)
         scaled = logits.float() / temperature[:, None]
         u = uniforms(seeds, counters)
         has_filter = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
@@ -89,7 +99,7 @@ class Sampler:
         out = torch.empty(len(requests), dtype=torch.int64, device=device)
         for group, draw in ((plain, _draw_plain), (filtered, _draw_filtered)):
             if group:
-                idx = torch.tensor(group, device=device)
+                idx = to_device(group, device)
                 out[idx] = draw(scaled[idx], u[idx], [params[i] for i in group])
         return out
 
@@ -102,6 +112,15 @@ class Sampler:
                 self._seeds[req.request_id] = seed
         seed %= _INT64  # any Python int, as the int64 with the same low 64 bits
         return seed - _INT64 if seed >= _INT64 // 2 else seed
+
+
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`: on a GPU through pinned memory without waiting
+    for the kernels queued before it (a plain copy would wait for them)."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _logprobs(
@@ -118,7 +137,7 @@ def prompt_token_logprobs(
     """Prompt log-probabilities from `logits` [rows, vocab], the rows of the requests with
     `prompt_targets`, in order: per request, (prompt position of its first entry, entries)."""
     asking = [r for r in requests if r.prompt_targets]
-    targets = torch.tensor([t for r in asking for t in r.prompt_targets], device=logits.device)
+    targets = to_device([t for r in asking for t in r.prompt_targets], logits.device)
     ks = [r.sampling_params.prompt_logprobs or 0 for r in asking for _ in r.prompt_targets]
     entries = token_logprobs(logits.float().log_softmax(-1), targets, ks)
     out, at = {}, 0
@@ -154,7 +173,7 @@ def adjust_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> Non
     if not rows:
         return
     device = logits.device
-    sub = logits[torch.tensor(rows, device=device)].float()
+    sub = logits[to_device(rows, device)].float()
     bias = [
         (j, t, b)
         for j, i in enumerate(rows)
@@ -162,19 +181,19 @@ def adjust_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> Non
     ]
     if bias:
         where_, ids, values = zip(*bias, strict=True)
-        index = (torch.tensor(where_, device=device), torch.tensor(ids, device=device))
-        sub.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+        index = (to_device(where_, device), to_device(ids, device))
+        sub.index_put_(index, to_device(values, device), accumulate=True)
     penalized = [(j, requests[i]) for j, i in enumerate(rows) if requests[i].seen_token_ids]
     if penalized:
         _penalize(sub, penalized)
-    logits[torch.tensor(rows, device=device)] = sub.to(logits.dtype)
+    logits[to_device(rows, device)] = sub.to(logits.dtype)
 
 
 def _penalize(sub: torch.Tensor, penalized: list[tuple[int, ScheduledRequest]]) -> None:
     """Presence, frequency and repetition penalties on rows `j` of `sub`, from one count and
     one mask built by index_put over the requests' token lists."""
     device = sub.device
-    which = torch.tensor([j for j, _ in penalized], device=device)
+    which = to_device([j for j, _ in penalized], device)
     rows = sub[which]
     out_at, out_ids, seen_at, seen_ids = [], [], [], []
     for k, (_, r) in enumerate(penalized):
@@ -186,14 +205,14 @@ def _penalize(sub: torch.Tensor, penalized: list[tuple[int, ScheduledRequest]]) 
         seen_ids += seen
     counts = torch.zeros_like(rows)
     if out_ids:
-        at = (torch.tensor(out_at, device=device), torch.tensor(out_ids, device=device))
+        at = (to_device(out_at, device), to_device(out_ids, device))
         counts.index_put_(at, torch.ones(len(out_ids), device=device), accumulate=True)
     seen_mask = torch.zeros_like(rows, dtype=torch.bool)
-    seen_mask[torch.tensor(seen_at, device=device), torch.tensor(seen_ids, device=device)] = True
+    seen_mask[to_device(seen_at, device), to_device(seen_ids, device)] = True
 
     def column(name: str) -> torch.Tensor:
         values = [getattr(r.sampling_params, name) for _, r in penalized]
-        return torch.tensor(values, device=device)[:, None]
+        return to_device(values, device)[:, None]
 
     rep = column("repetition_penalty")
     rows = torch.where(seen_mask, torch.where(rows > 0, rows / rep, rows * rep), rows)
@@ -217,9 +236,9 @@ def _draw_filtered(scaled: torch.Tensor, u: torch.Tensor, params) -> torch.Tenso
     """top-k, then top-p over what top-k kept, and min-p (a ratio to the most likely token,
     which no filter changes)."""
     device, vocab = scaled.device, scaled.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
+    top_p = to_device([p.top_p for p in params], device)
+    min_p = to_device([p.min_p for p in params], device)
     # Stable: tied logits keep vocabulary order whatever the batch.
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=device)[None, :]

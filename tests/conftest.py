@@ -31,28 +31,34 @@ def build_engine(
     attention_backend: str = "auto",
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
+    deferred_steps: bool = False,
+    overlap_steps: bool = True,
+    enforce_eager: bool = False,
     **scheduler,
 ):
-    """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields."""
+    """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields.
+    `deferred_steps`: steps compute when collected, as a GPU's (tests/engine/deferred_runner)."""
     from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
+    from tests.engine.deferred_runner import DeferredRunner
 
-    return LLMEngine(
-        EngineConfig(
-            model=model,
-            device=device,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                num_host_blocks=num_host_blocks,
-            ),
-            scheduler=SchedulerConfig(**scheduler),
-        )
+    config = EngineConfig(
+        model=model,
+        device=device,
+        dtype=dtype,
+        attention_backend=attention_backend,
+        tensor_parallel_size=tensor_parallel_size,
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        ),
+        scheduler=SchedulerConfig(**scheduler),
+        overlap_steps=overlap_steps,
+        enforce_eager=enforce_eager,
     )
+    return LLMEngine(config, runner=DeferredRunner(config) if deferred_steps else None)
 
 
 # One local Ray + Serve for the whole session, shared by tests/serve and tests/chaos.

@@ -164,6 +164,12 @@ class EngineConfig:
         "CUDA: run decode steps eagerly. Otherwise (with the triton backend) they replay CUDA "
         "graphs captured at start for padded batch sizes up to max_num_seqs.",
     )
+    overlap_steps: bool = knob(
+        True,
+        "Detokenize and return step N-1's tokens (stop strings, deltas) while the device runs "
+        "step N. Only a CUDA device runs a step asynchronously; on the CPU a step is done when "
+        "it is launched, and steps with structured-output rows always run to their end first.",
+    )
     num_threads: int | None = knob(
         None,
         "torch intra-op threads of the engine (and of its CPU kernels). Null: on the CPU, "

@@ -103,6 +103,27 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
+class PendingStep(Protocol):
+    """A step the runner has taken on. `ready`: its result is on the host already (the CPU
+    computes a step when it is launched; a GPU runs it while the host goes on). `result()`
+    waits for it and is called once."""
+
+    ready: bool
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class ReadyStep:
+    """A step computed when it was launched (or a runner without `launch`)."""
+
+    output: ModelRunnerOutput
+    ready: bool = True
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What one step produced for one request, before detokenization."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.outputs import ModelRunnerOutput, PendingStep, ReadyStep, SchedulerOutput
 
 
 class RecordingRunner:
@@ -25,3 +25,8 @@ class RecordingRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.outputs.append(out)
         return self.inner.execute(out)
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        self.outputs.append(out)
+        launch = getattr(self.inner, "launch", None)
+        return launch(out) if launch else ReadyStep(self.inner.execute(out))

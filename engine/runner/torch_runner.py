@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 
 import torch
 from torch.distributed import Store
@@ -13,7 +12,13 @@ from torch.distributed import Store
 from engine.attention.base import BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.core.outputs import (
+    ModelRunnerOutput,
+    PendingStep,
+    ReadyStep,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.grammar_bank import GrammarBank
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
@@ -21,6 +26,8 @@ from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_budget import kv_cache_budget
+from engine.runner.kv_swap import swap_blocks
+from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.tensor_parallel import RankWorkers, TensorParallel
 from engine.sampler import Sampler, prompt_token_logprobs
 
@@ -131,8 +138,8 @@ class TorchModelRunner:
                 for _ in range(spec.num_layers)
             ]
         self.sampler = Sampler(config.seed)
-        # Seconds inside the model forward, for the benchmark's overhead figure.
-        self.forward_seconds = 0.0
+        # The device's time on steps (forward and sampling): its idle share, for benchmarks.
+        self.device_clock = DeviceClock(self.device)
         self.graphs: DecodeGraphs | None = None
         graphable = self.backend.supports_graphs and world == 1
         if self.device.type == "cuda" and graphable and not config.enforce_eager:
@@ -153,29 +160,16 @@ class TorchModelRunner:
     def num_host_blocks(self) -> int:
         return self._num_host_blocks
 
-    def swap(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
-        """Copy blocks device -> host (`out`), then host -> device (`into`), every layer."""
-        for pairs, to_host in ((out, True), (into, False)):
-            if not pairs:
-                continue
-            src = torch.tensor([p[0] for p in pairs])
-            dst = torch.tensor([p[1] for p in pairs])
-            for (dev_k, dev_v), (host_k, host_v) in zip(
-                self.kv_caches, self.host_caches, strict=True
-            ):
-                if to_host:
-                    host_k[dst] = dev_k[src.to(self.device)].to("cpu")
-                    host_v[dst] = dev_v[src.to(self.device)].to("cpu")
-                else:
-                    dev_k[dst.to(self.device)] = host_k[src].to(self.device)
-                    dev_v[dst.to(self.device)] = host_v[src].to(self.device)
-
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(scheduler_output).result()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Queue the step on the device (ModelRunner.execute's work); its result waits."""
         if self.workers is None:
-            return self._execute(scheduler_output)
+            return self._launch(scheduler_output)
         self.workers.send(scheduler_output)  # the other ranks run the same step
-        try:
-            return self._execute(scheduler_output)
+        try:  # to its end: a failure in a collective then names the rank that caused it
+            return ReadyStep(self._launch(scheduler_output).result())
         except Exception as exc:
             problem = self.workers.problem()
             if problem is None:
@@ -184,7 +178,7 @@ class TorchModelRunner:
 
     def follow(self, scheduler_output: SchedulerOutput) -> None:
         """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's)."""
-        self._execute(scheduler_output, sample=False)
+        self._launch(scheduler_output, sample=False).result()
 
     def use_grammars(self, grammars: GrammarBank) -> None:
         self.sampler.grammars = grammars  # structured outputs: the sampler masks their rows
@@ -200,17 +194,18 @@ class TorchModelRunner:
             self.workers = None
 
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput, sample: bool = True) -> ModelRunnerOutput:
+    def _launch(self, scheduler_output: SchedulerOutput, sample: bool = True) -> PendingStep:
         self.sampler.forget(scheduler_output.finished_request_ids)
         if scheduler_output.has_swaps:
-            self.swap(scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in)
+            swap = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
+            swap_blocks(self.kv_caches, self.host_caches, *swap)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput({})
+            return ReadyStep(ModelRunnerOutput({}))
         # Decodes first: the attention backend batches them as one call.
         scheduled = scheduler_output.scheduled
         order = [r for r in scheduled if r.num_tokens == 1]
         order += [r for r in scheduled if r.num_tokens != 1]
-        start = time.perf_counter()
+        started = self.device_clock.start()
         logits = self._replay(order) if self.graphs is not None else None
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
@@ -218,24 +213,16 @@ class TorchModelRunner:
             logits = self.model(
                 input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
             )
-        if self.device.type == "cuda":
-            # Kernels run asynchronously: wait, so forward_seconds is the device's time (the
-            # sampled token ids' copy to the host below would wait for them anyway).
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds += time.perf_counter() - start
         if not sample:
-            return ModelRunnerOutput({})
+            return ReadyStep(ModelRunnerOutput({}))
         sampled = [r for r in order if r.sample]
         prompt_logprobs = {}
         if len(logits) > len(sampled):  # rows for prompt logprobs follow the sampled rows
             prompt_logprobs = prompt_token_logprobs(logits[len(sampled) :], order)
             logits = logits[: len(sampled)]
-        tokens, logprobs = self.sampler.sample_with_logprobs(logits, sampled)
-        return ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)},
-            logprobs,
-            prompt_logprobs,
-        )
+        tokens, logprobs = self.sampler.draw(logits, sampled)
+        ids = [r.request_id for r in sampled]
+        return LaunchedStep(ids, tokens, self.device_clock, started, logprobs, prompt_logprobs)
 
     def _replay(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
         """Logits of the sampled rows of a decode-only step by graph replay, else None."""
@@ -286,15 +273,21 @@ class TorchModelRunner:
             if r.prompt_targets:
                 rows += range(offsets[i], offsets[i] + len(r.prompt_targets))
         logits_indices = torch.tensor(rows, dtype=torch.long)
-        dev = self.device
+        move = self._to_device
         layout = BatchLayout(
             num_decodes=sum(1 for c in counts if c == 1),
             query_start_loc=offsets,
             num_computed=starts,
             seq_lens=[s + c for s, c in zip(starts, counts, strict=True)],
-            block_table=block_table.to(dev),
-            slot_mapping=slots.to(dev),
+            block_table=move(block_table),
+            slot_mapping=move(slots),
             block_size=bs,
             sliding_window=self.spec.sliding_window,
         )
-        return input_ids.to(dev), positions.to(dev), layout, logits_indices.to(dev)
+        return move(input_ids), move(positions), layout, move(logits_indices)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A GPU's copy goes through pinned memory and does not hold the host up."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

@@ -103,13 +103,13 @@ def test_forward_runs_off_the_event_loop_thread(tiny_model):
         engine = make_engine(tiny_model)
         step_threads = set()
         runner = engine.engine.runner
-        original = runner.execute
+        original = runner.launch
 
-        def recording_execute(out):
+        def recording_launch(out):
             step_threads.add(threading.get_ident())
             return original(out)
 
-        runner.execute = recording_execute
+        runner.launch = recording_launch
         ticks = 0
 
         async def ticker():

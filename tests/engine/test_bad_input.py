@@ -88,13 +88,13 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(tiny_mode
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     engine.add_request("doomed", "hello there", greedy)
     engine.step()
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
 
     def fault_once(scheduler_output):  # a fault injected into one step (e.g. a device error)
-        engine.runner.execute = real_execute
+        engine.runner.launch = real_launch
         raise RuntimeError("injected device fault")
 
-    engine.runner.execute = fault_once
+    engine.runner.launch = fault_once
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("doomed", "error")]
     assert "injected device fault" in outs[0].error

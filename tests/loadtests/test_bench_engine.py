@@ -32,12 +32,12 @@ def test_bench_engine_json_has_the_promised_keys(tiny_model, capsys):
         "hf_static_tok_s",
         "speedup_vs_hf_static",
         "speedup_vs_static",
-        "outside_forward_frac",
+        "device_idle_frac",
         "roofline_frac",
     ):
         assert result[key] > 0, key
     assert result["hf_static_best_batch_size"] in (2, 4)
-    assert 0 < result["outside_forward_frac"] < 1
+    assert 0 < result["device_idle_frac"] < 1
     # The schedule priced at the machine's peaks is a lower bound of its wall time.
     assert 0 < result["step_bound_s"] < result["continuous_wall_s"]
     assert 0 < result["step_roofline_frac"] < 1

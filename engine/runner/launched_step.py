@@ -1,0 +1,80 @@
+"""A step on its way through the device: its sampled token ids come to the host when the
+engine collects it, and the device time it took is counted then.
+
+On a GPU the step's kernels and a non-blocking copy of its token ids into pinned host memory
+are queued, and the host goes on (the engine detokenizes the previous step meanwhile); on
+the CPU the step is done by the time it is launched.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.core.outputs import ModelRunnerOutput, TokenLogprob
+
+
+class DeviceClock:
+    """Seconds the device spent on steps: CUDA events around each step, read once the step
+    is done (no synchronisation of its own); on the CPU, the host's clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def start(self) -> torch.cuda.Event | float:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started: torch.cuda.Event | float) -> torch.cuda.Event | None:
+        """The step's end: counted now on the CPU; on CUDA an event to wait on."""
+        if not self.cuda:
+            self.seconds += time.perf_counter() - started
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return end
+
+    def settle(self, started: torch.cuda.Event | float, end: torch.cuda.Event | None) -> None:
+        """Wait for the step's end and count it (CUDA)."""
+        if end is not None:
+            end.synchronize()
+            self.seconds += started.elapsed_time(end) / 1e3
+
+
+class LaunchedStep:
+    """A step's sampled tokens (`tokens`, on the step's device, one per `request_ids`)."""
+
+    def __init__(
+        self,
+        request_ids: list[str],
+        tokens: torch.Tensor,
+        clock: DeviceClock,
+        started: torch.cuda.Event | float,
+        logprobs: dict[str, TokenLogprob] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None,
+    ) -> None:
+        self.request_ids = request_ids
+        if tokens.device.type == "cuda":
+            # Pinned, so the copy runs behind the kernels; the host allocator keeps the
+            # buffer until the copy is done.
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+        else:
+            self._host = tokens
+        self._clock, self._started = clock, started
+        self._end = clock.stop(started)
+        self.ready = self._end is None
+        self._logprobs = logprobs or {}
+        self._prompt_logprobs = prompt_logprobs or {}
+
+    def result(self) -> ModelRunnerOutput:
+        self._clock.settle(self._started, self._end)
+        ids = self._host.tolist()
+        return ModelRunnerOutput(
+            dict(zip(self.request_ids, ids, strict=True)), self._logprobs, self._prompt_logprobs
+        )

@@ -1,0 +1,181 @@
+"""Steady decode: a full batch of requests decoding, step after step. How busy the device is
+(idle fraction), tokens/s, with steps overlapped or not and (CUDA) decode graphs on or off;
+and the sampler alone on a batch of logits.
+
+    python -m loadtests.bench_decode --model small --batch 64 [--json]
+    python -m loadtests.bench_decode --model <8B dir> --device cuda --dtype bfloat16 --batch 256
+
+Each variant is a fresh engine on the same requests; greedy variants must produce the same
+tokens. All figures come from the same run (compare ratios on noisy machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.outputs import ScheduledRequest
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.model.loader import read_spec
+from engine.sampler import Sampler
+from loadtests.workload import resolve_model
+
+
+def variants(device: str) -> dict[str, dict]:
+    """Engine settings per variant: overlap on/off, and on CUDA decode graphs on/off."""
+    if device != "cuda":
+        return {"sync": {"overlap_steps": False}, "overlap": {"overlap_steps": True}}
+    return {
+        "eager_sync": {"overlap_steps": False, "enforce_eager": True},
+        "eager_overlap": {"overlap_steps": True, "enforce_eager": True},
+        "graphs_sync": {"overlap_steps": False, "enforce_eager": False},
+        "graphs_overlap": {"overlap_steps": True, "enforce_eager": False},
+    }
+
+
+def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) -> dict:
+    total_steps = args.warmup_steps + args.steps
+    config = EngineConfig(
+        model=model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=int(args.kv_cache_gb * 2**30)),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=max(2048, args.prompt_len),
+            max_model_len=args.prompt_len + total_steps + 8,
+        ),
+        **settings,
+    )
+    engine = LLMEngine(config)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=total_steps + 4, ignore_eos=True, seed=i, **sampling)
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+
+    # Prefill everything, then a few decode steps to warm up.
+    while engine.stats().num_decoding < args.batch:
+        step()
+    for _ in range(args.warmup_steps):
+        step()
+    clock = engine.runner.device_clock
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    busy_before, start = clock.seconds, time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if engine.core.in_flight is not None:  # the last step's device time counts
+        step()
+    wall = time.perf_counter() - start
+    busy = clock.seconds - busy_before
+    while engine.has_unfinished_requests():
+        step()
+    engine.close()
+    return {
+        "tok_s": args.batch * args.steps / wall,
+        "step_ms": 1e3 * wall / args.steps,
+        "device_idle_frac": max(0.0, 1.0 - busy / wall),
+        "tokens": tokens,
+    }
+
+
+def time_sampler(args, vocab_size: int) -> float:
+    """Median ms of one step's sampling: `--batch` rows at the given temperature / top_p."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    sampler = Sampler(0)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16)
+    rows = [
+        ScheduledRequest(str(i), [1], 10, [0], True, params, 3, (), None, None)
+        for i in range(args.batch)
+    ]
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(args.batch, vocab_size, generator=generator, device=device, dtype=dtype)
+    times = []
+    for i in range(args.sampler_repeats + 3):
+        work = logits.clone()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens, _ = sampler.draw(work, rows)
+        tokens.tolist()
+        if i >= 3:  # the first calls warm up
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="tiny, small, or a checkpoint dir")
+    parser.add_argument("--batch", type=int, default=64, help="requests decoding at once")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=40, help="decode steps measured")
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--sampler-repeats", type=int, default=50)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    model_dir = resolve_model(args.model)
+    vocab_size = read_spec(model_dir).vocab_size
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(vocab_size) for _ in range(args.prompt_len)] for _ in range(args.batch)
+    ]
+    result: dict = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+    }
+    runs = {
+        name: run_variant(model_dir, args, s, prompts) for name, s in variants(args.device).items()
+    }
+    first = next(iter(runs.values()))
+    result["outputs_identical"] = all(r["tokens"] == first["tokens"] for r in runs.values())
+    for name, run in runs.items():
+        for key in ("tok_s", "step_ms", "device_idle_frac"):
+            result[f"{name}_{key}"] = run[key]
+    base = "graphs_sync" if args.device == "cuda" else "sync"
+    for name in runs:
+        if name != base:
+            result[f"{name}_vs_{base}"] = runs[name]["tok_s"] / runs[base]["tok_s"]
+    result["sampler_ms_t1_top_p0.9"] = time_sampler(args, vocab_size)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        width = max(len(k) for k in result)
+        for key, value in result.items():
+            print(
+                f"{key:<{width}}  {value:.3f}"
+                if isinstance(value, float)
+                else f"{key:<{width}}  {value}"
+            )
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,192 @@
+"""engine.overlap_steps: while a step is in flight (computed only when collected, as on a
+GPU), the previous step's tokens are detokenized and returned. Outputs equal the engine's
+without overlap: greedy tokens, seeded draws, stop strings, aborts, grammars; no block leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.core.sampling_params import SamplingParams, StructuredOutput
+from engine.llm_engine import LLMEngine
+from tests.conftest import build_engine
+from tests.engine.oracle import HFOracle
+from tests.engine.test_oracle import check_against_oracle, random_prompts, scenario_engine
+
+
+class StepWatch:
+    """Drives an engine step by step, counting the steps left in flight between calls."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.num_in_flight = 0
+        self.tokens: dict[str, list[int]] = {}
+        self.text: dict[str, str] = {}
+        self.finish: dict[str, str | None] = {}
+        self.logprobs: dict[str, list] = {}
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            assert out.request_id not in self.finish, f"{out.request_id}: a delta after its end"
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            self.text[out.request_id] = self.text.get(out.request_id, "") + out.new_text
+            self.logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+            if out.finished:
+                self.finish[out.request_id] = out.finish_reason
+        self.engine.scheduler.check_integrity()
+        self.num_in_flight += self.engine.core.in_flight is not None
+
+    def run(self, requests: dict[str, tuple[list[int] | str, SamplingParams]]) -> StepWatch:
+        for rid, (prompt, params) in requests.items():
+            self.engine.add_request(rid, prompt, params)
+        while self.engine.has_unfinished_requests():
+            self.step()
+        assert_all_free(self.engine)
+        return self
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    kv = engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not engine._tracked
+
+
+def greedy(n: int, **more) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **more)
+
+
+@pytest.mark.parametrize("scenario", ["roomy", "chunked-prefill", "preemption", "static"])
+def test_overlapped_greedy_tokens_match_hf_generate(tiny_model, scenario):
+    engine = scenario_engine(tiny_model, scenario, deferred_steps=True)
+    rng = random.Random(3)
+    prompts = random_prompts(3, 12, max_len=50)
+    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    requests = {str(i): (p, greedy(max_tokens[i])) for i, p in enumerate(prompts)}
+    watch = StepWatch(engine).run(requests)
+    tokens = {int(rid): t for rid, t in watch.tokens.items()}
+    check_against_oracle(HFOracle(tiny_model), prompts, max_tokens, tokens)
+    assert watch.num_in_flight > 10, "steps were meant to stay in flight"
+    if scenario == "preemption":
+        assert engine.scheduler.num_preemptions_total > 0
+
+
+def test_without_overlap_no_step_stays_in_flight(tiny_model):
+    engine = build_engine(tiny_model, deferred_steps=True, overlap_steps=False)
+    watch = StepWatch(engine).run({"a": ("hello", greedy(8)), "b": ("there", greedy(5))})
+    assert watch.num_in_flight == 0 and len(watch.tokens["a"]) == 8
+
+
+def stop_string_requests(tiny_model) -> dict[str, tuple[str, SamplingParams]]:
+    """Prompts with a stop string taken from the middle of their own greedy text."""
+    plain = StepWatch(build_engine(tiny_model)).run(
+        {f"s{i}": (f"story {i} begins", greedy(30)) for i in range(6)}
+    )
+    requests = {}
+    for rid, text in plain.text.items():
+        at = len(text) // 3
+        requests[rid] = (f"story {rid[1:]} begins", greedy(30, stop=[text[at : at + 3]]))
+    return requests
+
+
+def test_a_stop_string_found_while_the_next_step_runs_ends_the_request_the_same(tiny_model):
+    requests = stop_string_requests(tiny_model)
+    sync = StepWatch(build_engine(tiny_model)).run(requests)
+    overlapped = StepWatch(build_engine(tiny_model, deferred_steps=True))
+    overlapped.run(requests)
+    assert overlapped.num_in_flight > 5
+    assert set(sync.finish.values()) == {"stop"}
+    assert overlapped.text == sync.text and overlapped.finish == sync.finish
+    # The step in flight when the stop string showed computed one more token: dropped.
+    assert overlapped.tokens == sync.tokens
+
+
+def test_a_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_model):
+    engine = build_engine(tiny_model, deferred_steps=True)
+    watch = StepWatch(engine)
+    for rid in "abc":
+        engine.add_request(rid, f"request {rid}", greedy(20))
+    for _ in range(4):
+        watch.step()
+    in_flight = engine.core.in_flight
+    assert in_flight is not None
+    assert "b" in {s.request_id for s in in_flight.scheduled.scheduled}
+    before = len(watch.tokens["b"])
+    engine.abort("b")
+    while engine.has_unfinished_requests():
+        watch.step()
+    assert len(watch.tokens["b"]) == before and "b" not in watch.finish
+    assert len(watch.tokens["a"]) == len(watch.tokens["c"]) == 20
+    assert_all_free(engine)
+    alone = StepWatch(build_engine(tiny_model)).run({"a": ("request a", greedy(20))})
+    assert watch.tokens["a"] == alone.tokens["a"]
+
+
+def test_seeded_draws_penalties_and_logprobs_are_unchanged_by_overlap(tiny_model):
+    def requests() -> dict[str, tuple[str, SamplingParams]]:
+        return {
+            f"r{i}": (
+                f"sampled {i}",
+                SamplingParams(
+                    temperature=1.0,
+                    top_p=0.9,
+                    seed=100 + i,
+                    max_tokens=16,
+                    ignore_eos=True,
+                    frequency_penalty=0.5 if i % 2 else 0.0,
+                    logprobs=2 if i % 3 == 0 else None,
+                ),
+            )
+            for i in range(6)
+        }
+
+    sync = StepWatch(build_engine(tiny_model)).run(requests())
+    overlapped = StepWatch(build_engine(tiny_model, deferred_steps=True)).run(requests())
+    assert overlapped.num_in_flight > 5
+    assert overlapped.tokens == sync.tokens
+    for rid, entries in sync.logprobs.items():
+        got = overlapped.logprobs[rid]
+        assert [e.top for e in got] == [e.top for e in entries]
+
+
+def test_steps_with_grammar_rows_finish_before_their_outputs_are_read(tiny_model):
+    def requests() -> dict[str, tuple[str, SamplingParams]]:
+        spec = StructuredOutput("regex", r"[a-f]{3}-\d{2,4}")
+        return {
+            "plain": ("plain words", greedy(24)),
+            "held": ("an id", SamplingParams(temperature=0.0, max_tokens=24, structured=spec)),
+        }
+
+    sync = StepWatch(build_engine(tiny_model)).run(requests())
+    engine = build_engine(tiny_model, deferred_steps=True)
+    overlapped = StepWatch(engine).run(requests())
+    assert overlapped.text == sync.text and overlapped.finish == sync.finish
+    assert overlapped.finish["held"] == "stop"
+    # Steps after the grammar request ended stay in flight again.
+    assert 0 < overlapped.num_in_flight < engine.runner.num_launched
+
+
+def test_async_engine_streams_with_steps_in_flight(tiny_model):
+    prompts = ["one", "two two", "three three three"]
+    sync = StepWatch(build_engine(tiny_model)).run(
+        {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts)}
+    )
+
+    async def main() -> dict[str, list[int]]:
+        engine = AsyncLLMEngine(build_engine(tiny_model, deferred_steps=True))
+
+        async def collect(i: int) -> list[int]:
+            tokens = []
+            async for out in engine.generate(prompts[i], greedy(12), request_id=f"r{i}"):
+                tokens.extend(out.new_token_ids)
+            return tokens
+
+        got = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+        await engine.wait_idle()
+        assert_all_free(engine.engine)
+        await engine.shutdown()
+        return {f"r{i}": t for i, t in enumerate(got)}
+
+    assert asyncio.run(main()) == sync.tokens

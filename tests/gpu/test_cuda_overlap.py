@@ -1,0 +1,73 @@
+"""engine.overlap_steps on a GPU (skipped without CUDA): steps stay in flight while the host
+processes the previous step, graphs replaying or not, and nothing changes in the outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.sampling_params import SamplingParams
+from tests.conftest import build_engine
+from tests.engine.oracle import HFOracle
+from tests.engine.test_oracle import SCENARIOS, check_against_oracle, run_mix
+from tests.engine.test_overlapped_steps import StepWatch, stop_string_requests
+from tests.gpu.test_cuda_engine import mixed_requests
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def cuda_engine(model: str, scenario: str, overlap: bool, eager: bool):
+    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
+    engine = build_engine(
+        model,
+        block_size,
+        num_blocks,
+        device="cuda",
+        attention_backend="triton",
+        overlap_steps=overlap,
+        enforce_eager=eager,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        batching=batching,
+    )
+    assert (engine.runner.graphs is None) == eager
+    return engine
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_overlap_on_and_off_give_the_same_greedy_tokens(tiny_model, scenario, eager):
+    pytest.importorskip("triton")
+    prompts, max_tokens, arrive_at = mixed_requests(0)
+    runs = [
+        run_mix(cuda_engine(tiny_model, scenario, overlap, eager), prompts, max_tokens, arrive_at)
+        for overlap in (True, False)
+    ]
+    assert runs[0] == runs[1]
+    check_against_oracle(HFOracle(tiny_model), prompts, max_tokens, runs[0])
+
+
+def test_steps_stay_in_flight_and_stop_strings_end_requests_the_same(tiny_model):
+    requests = stop_string_requests(tiny_model)
+    sync = StepWatch(build_engine(tiny_model, device="cuda", overlap_steps=False)).run(requests)
+    overlapped = StepWatch(build_engine(tiny_model, device="cuda")).run(requests)
+    assert sync.num_in_flight == 0 and overlapped.num_in_flight > 5
+    assert overlapped.text == sync.text and overlapped.tokens == sync.tokens
+
+
+def test_seeded_sampling_is_the_same_with_steps_in_flight(tiny_model):
+    def requests():
+        return {
+            f"r{i}": (
+                f"draw {i}",
+                SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=20),
+            )
+            for i in range(8)
+        }
+
+    sync = StepWatch(build_engine(tiny_model, device="cuda", overlap_steps=False)).run(requests())
+    overlapped = StepWatch(build_engine(tiny_model, device="cuda")).run(requests())
+    assert overlapped.tokens == sync.tokens
