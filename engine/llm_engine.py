@@ -1,4 +1,4 @@
-"""The synchronous engine: schedule, execute, update; plus detokenization and stop strings."""
+"""The engine: launch steps, collect them, detokenize, apply stop strings."""
 
 from __future__ import annotations
 
@@ -100,12 +100,7 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) for t in prompt):
             raise InvalidParam("prompt", "prompt: token ids must be integers")
-        vocab = self.runner_vocab_size()
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParam(
-                "prompt", f"prompt: token id {bad} is outside the vocabulary [0, {vocab})"
-            )
+        _check_in_vocabulary("prompt", prompt, self.runner_vocab_size())
         return list(prompt)
 
     def runner_vocab_size(self) -> int:
@@ -127,15 +122,8 @@ class LLMEngine:
         if not token_ids:
             raise InvalidParam("prompt", "prompt: must not be empty")
         vocab = self.runner_vocab_size()
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidParam(
-                    name, f"{name}: token id {bad} is outside the vocabulary [0, {vocab})"
-                )
+        _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab)
+        _check_in_vocabulary("logit_bias", params.logit_bias, vocab)
         if params.structured is not None:  # compiled here, off the step loop (and cached)
             self.grammar_bank(params.structured.param).compile(params.structured)
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
@@ -197,24 +185,29 @@ class LLMEngine:
         getattr(self.runner, "close", lambda: None)()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.core.in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self.core.in_flight)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     # ------------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Collect the step in flight, launch the next, and return the collected steps'
-        deltas. With `overlap_steps`, a step the device runs asynchronously stays in flight
-        while the previous step's tokens are detokenized and returned (its stop strings end
-        requests that are in the step in flight: their token from it is dropped)."""
-        core = self.core
-        results = [core.collect()] if core.in_flight is not None else []
-        idle_or_failed = core.launch()
-        if idle_or_failed is not None:
-            results.append(idle_or_failed)
-        elif not (self.config.overlap_steps and core.in_flight.may_overlap):
+        """One step on; the deltas of the steps collected. With `overlap_steps` on a device
+        that runs steps asynchronously, a step stays in flight while the one before is
+        detokenized, and the next is launched before it is collected where the scheduler can
+        tell it already (docs/architecture.md, "Overlapped steps")."""
+        core, overlap = self.core, self.config.overlap_steps
+        results = []
+        if core.in_flight:
+            if overlap:
+                core.launch_continuation()
             results.append(core.collect())
+        if not core.in_flight:
+            idle_or_failed = core.launch()
+            if idle_or_failed is not None:
+                results.append(idle_or_failed)
+            elif not (overlap and core.in_flight[0].may_overlap):
+                results.append(core.collect())
         return [delta for result in results for delta in self._deltas(result)]
 
     def _deltas(self, result: StepResult) -> list[RequestOutput]:
@@ -299,3 +292,9 @@ def _logprobs_of(
 ) -> list[TokenLogprob] | None:
     entry = logprobs.get(request_id)
     return [entry] if entry is not None and new_token_ids else None
+
+
+def _check_in_vocabulary(name: str, token_ids, vocab: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidParam(name, f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")

@@ -59,13 +59,16 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
     engine = LLMEngine(config)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=total_steps + 4, ignore_eos=True, seed=i, **sampling)
+        # The first token comes with the prefill; then warm-up steps, then the measured ones.
+        params = SamplingParams(max_tokens=1 + total_steps, ignore_eos=True, seed=i, **sampling)
         engine.add_request(str(i), prompt, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
 
-    def step() -> None:
-        for out in engine.step():
+    def step() -> int:
+        outputs = engine.step()
+        for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
+        return sum(len(out.new_token_ids) for out in outputs)
 
     # Prefill everything, then a few decode steps to warm up.
     while engine.stats().num_decoding < args.batch:
@@ -75,20 +78,21 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
     clock = engine.runner.device_clock
     if args.device == "cuda":
         torch.cuda.synchronize()
-    busy_before, start = clock.seconds, time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if engine.core.in_flight is not None:  # the last step's device time counts
-        step()
+    busy_before, start, produced = clock.seconds, time.perf_counter(), 0
+    steps_before = engine.scheduler.num_steps_total
+    continued_before = engine.core.num_continuations
+    while engine.has_unfinished_requests():  # every request ends in the same step
+        produced += step()
     wall = time.perf_counter() - start
     busy = clock.seconds - busy_before
-    while engine.has_unfinished_requests():
-        step()
+    num_steps = engine.scheduler.num_steps_total - steps_before
+    continued = engine.core.num_continuations - continued_before
     engine.close()
     return {
-        "tok_s": args.batch * args.steps / wall,
-        "step_ms": 1e3 * wall / args.steps,
+        "tok_s": produced / wall,
+        "step_ms": 1e3 * wall * args.batch / produced,
         "device_idle_frac": max(0.0, 1.0 - busy / wall),
+        "launched_ahead_frac": continued / max(num_steps, 1),
         "tokens": tokens,
     }
 
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     first = next(iter(runs.values()))
     result["outputs_identical"] = all(r["tokens"] == first["tokens"] for r in runs.values())
     for name, run in runs.items():
-        for key in ("tok_s", "step_ms", "device_idle_frac"):
+        for key in ("tok_s", "step_ms", "device_idle_frac", "launched_ahead_frac"):
             result[f"{name}_{key}"] = run[key]
     base = "graphs_sync" if args.device == "cuda" else "sync"
     for name in runs:

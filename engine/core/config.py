@@ -166,9 +166,11 @@ class EngineConfig:
     )
     overlap_steps: bool = knob(
         True,
-        "Detokenize and return step N-1's tokens (stop strings, deltas) while the device runs "
-        "step N. Only a CUDA device runs a step asynchronously; on the CPU a step is done when "
-        "it is launched, and steps with structured-output rows always run to their end first.",
+        "Keep the device busy while the host works: step N-1's tokens are detokenized and "
+        "returned while the device runs step N, and where the scheduler can tell step N+1 "
+        "before N's tokens are in, N+1 is launched before N is collected. Only a CUDA device "
+        "runs steps asynchronously (on the CPU a step is done when launched); steps with "
+        "grammar rows run to their end first.",
     )
     num_threads: int | None = knob(
         None,

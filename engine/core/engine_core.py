@@ -5,19 +5,22 @@ a cost-model runner on a virtual clock, so both run exactly the same scheduling 
 
 A step is launched (scheduled and handed to the runner) and later collected (its sampled
 tokens applied to the scheduler). `step()` does both at once; LLMEngine may instead leave a
-step in flight on a GPU and process the previous step's outputs meanwhile. The scheduler
-never schedules while a step is in flight: the next step is launched only after the one in
-flight is collected, so it sees every token sampled so far.
+step in flight on a GPU and process the previous step's outputs meanwhile, and launch the
+step after it before collecting it where the scheduler can tell that step already
+(engine/core/continuation.py). Steps are collected in launch order.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.clock import Clock
+from engine.core.continuation import schedule_continuation
 from engine.core.outputs import (
     EngineCoreOutput,
+    ModelRunnerOutput,
     PendingStep,
     ReadyStep,
     SchedulerOutput,
@@ -64,7 +67,9 @@ class EngineCore:
         self.runner = runner  # engine.runner.base.ModelRunner
         self.clock = clock
         self.policy = policy
-        self.in_flight: InFlight | None = None
+        self.in_flight: deque[InFlight] = deque()  # launched, not collected, oldest first
+        self._last_collected = float("-inf")  # the clock when a step was last collected
+        self.num_continuations = 0  # steps launched before the step before was collected
 
     def step(self) -> StepResult:
         """Launch the next step and collect it."""
@@ -74,7 +79,7 @@ class EngineCore:
     def launch(self) -> StepResult | None:
         """Schedule the next step and hand it to the runner: None when it is in flight, else
         the result of a step that failed at launch or that had nothing to do."""
-        assert self.in_flight is None, "collect the step in flight first"
+        assert not self.in_flight, "collect the steps in flight first"
         if self.policy is not None:
             self.scheduler.set_limits(self.policy.limits(self.scheduler.stats()))
         sched_out = self.scheduler.schedule()
@@ -86,23 +91,41 @@ class EngineCore:
             pending = launch(sched_out) if launch else ReadyStep(self.runner.execute(sched_out))
         except Exception as exc:  # a failed step fails its requests, not the engine
             return self._failed(sched_out, exc)
-        self.in_flight = InFlight(sched_out, pending, started)
+        self.in_flight.append(InFlight(sched_out, pending, started))
         return None
 
+    def launch_continuation(self) -> bool:
+        """Launch the step after the one step in flight, before collecting it, where the
+        scheduler can tell that step already. True if it did."""
+        if len(self.in_flight) != 1 or not self.in_flight[0].may_overlap:
+            return False
+        if self.policy is not None:
+            self.scheduler.set_limits(self.policy.limits(self.scheduler.stats()))
+        sched_out = schedule_continuation(self.scheduler, self.in_flight[0].scheduled)
+        if sched_out is None:
+            return False
+        started = self.clock.now()
+        try:
+            pending = self.runner.launch(sched_out)
+        except Exception as exc:  # failed when collected, after the step before it
+            pending = _FailedLaunch(exc)
+        self.in_flight.append(InFlight(sched_out, pending, started))
+        self.num_continuations += 1
+        return True
+
     def collect(self) -> StepResult:
-        """Wait for the step in flight and advance its requests by what it sampled."""
-        assert self.in_flight is not None, "no step in flight"
-        sched_out, pending, started = (
-            self.in_flight.scheduled,
-            self.in_flight.pending,
-            self.in_flight.started,
-        )
-        self.in_flight = None
+        """Wait for the oldest step in flight and advance its requests by what it sampled."""
+        assert self.in_flight, "no step in flight"
+        flight = self.in_flight.popleft()
+        sched_out, pending, started = flight.scheduled, flight.pending, flight.started
         try:
             runner_out = pending.result()
         except Exception as exc:
             return self._failed(sched_out, exc)
-        self.scheduler.steps.executed(self.clock.now() - started)
+        # From its launch, or from the step before's end where it ran behind that step.
+        now = self.clock.now()
+        self.scheduler.steps.executed(now - max(started, self._last_collected))
+        self._last_collected = now
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return StepResult(
             outputs,
@@ -118,3 +141,12 @@ class EngineCore:
             exc_info=exc,
         )
         return StepResult(self.scheduler.fail_step(sched_out), repr(exc))
+
+
+@dataclass
+class _FailedLaunch:
+    error: Exception
+    ready: bool = False
+
+    def result(self) -> ModelRunnerOutput:
+        raise self.error

@@ -11,6 +11,11 @@ if TYPE_CHECKING:
     from engine.core.request import Request
 
 
+# The input token of a row scheduled before the step that samples it has run: the runner
+# takes it from that step's sampled tokens (engine/core/continuation.py).
+UNKNOWN_TOKEN = -1
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step."""

@@ -8,7 +8,12 @@ from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunner(Protocol):
-    """Executes scheduled steps. The real one runs the model; the simulator's prices them."""
+    """Executes scheduled steps. The real one runs the model; the simulator's prices them.
+
+    A runner may also offer `launch(scheduler_output) -> PendingStep` (engine.core.outputs):
+    `execute`'s work, whose result may still be on its way (a GPU's); EngineCore uses it where
+    present. Rows whose input token is UNKNOWN_TOKEN take the token the step launched just
+    before samples for that request."""
 
     def num_kv_blocks(self) -> int:
         """How many KV blocks of the configured block size the cache holds."""

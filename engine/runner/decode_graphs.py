@@ -62,13 +62,18 @@ class DecodeGraphs:
             (free_before - torch.cuda.mem_get_info(device)[0]) / (1 << 20),
         )
 
-    def run(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
-        """Logits of a decode-only step by graph replay, or None where no graph fits it."""
+    def run(
+        self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        """Logits of a decode-only step by graph replay, or None where no graph fits it.
+        `known`: rows whose input token is already on the device, and those tokens."""
         if len(order) > self.sizes[-1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, len(order))]
         runner = self.runner
         self.inputs.fill(order, size, runner.block_size, runner.scratch_block)
+        if known is not None:
+            self.inputs.input_ids[known[0]] = known[1]
         self._graphs[size].replay()
         return runner.model.logits(self._outputs[size][: len(order)])
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import torch
 from torch.distributed import Store
@@ -13,6 +12,7 @@ from engine.attention.base import BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.outputs import (
+    UNKNOWN_TOKEN,
     ModelRunnerOutput,
     PendingStep,
     ReadyStep,
@@ -25,33 +25,14 @@ from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
 from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.engine_threads import set_engine_threads
 from engine.runner.kv_budget import kv_cache_budget
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.tensor_parallel import RankWorkers, TensorParallel
-from engine.sampler import Sampler, prompt_token_logprobs
+from engine.sampler import Sampler, prompt_token_logprobs, to_device
 
 logger = logging.getLogger(__name__)
-
-
-def set_engine_threads(num_threads: int | None, device: str, world_size: int = 1) -> int:
-    """torch's intra-op threads for this engine (our CPU kernels use as many): `num_threads`,
-    or on the CPU every core this process may run on (Ray sets OpenMP's count from the
-    replica's fractional `num_cpus`, which would leave cores idle) shared by the engine's
-    `world_size` ranks, or on a GPU node what Ray gave the process. Logged, and returned."""
-    if num_threads:
-        why = "engine.num_threads"
-    elif device == "cpu":
-        num_threads = max(len(os.sched_getaffinity(0)) // world_size, 1)
-        why = "the cores this process may run on"
-        if world_size > 1:
-            why += f", shared by {world_size} tensor-parallel ranks"
-    else:
-        num_threads = torch.get_num_threads()
-        why = "torch's default from the process's resources"
-    torch.set_num_threads(num_threads)
-    logger.info("engine threads: %d (%s)", num_threads, why)
-    return num_threads
 
 
 class TorchModelRunner:
@@ -140,6 +121,9 @@ class TorchModelRunner:
         self.sampler = Sampler(config.seed)
         # The device's time on steps (forward and sampling): its idle share, for benchmarks.
         self.device_clock = DeviceClock(self.device)
+        # The last step's sampled tokens, on the device, by request id: the input of a step
+        # launched before that one is collected (engine/core/continuation.py).
+        self._last_sampled: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0))
         self.graphs: DecodeGraphs | None = None
         graphable = self.backend.supports_graphs and world == 1
         if self.device.type == "cuda" and graphable and not config.enforce_eager:
@@ -206,9 +190,12 @@ class TorchModelRunner:
         order = [r for r in scheduled if r.num_tokens == 1]
         order += [r for r in scheduled if r.num_tokens != 1]
         started = self.device_clock.start()
-        logits = self._replay(order) if self.graphs is not None else None
+        known = self._known_inputs(order)
+        logits = self._replay(order, known) if self.graphs is not None else None
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
+            if known is not None:
+                input_ids[known[0]] = known[1]
             metadata = self.backend.prepare(layout)
             logits = self.model(
                 input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
@@ -222,14 +209,29 @@ class TorchModelRunner:
             logits = logits[: len(sampled)]
         tokens, logprobs = self.sampler.draw(logits, sampled)
         ids = [r.request_id for r in sampled]
+        self._last_sampled = ({rid: row for row, rid in enumerate(ids)}, tokens)
         return LaunchedStep(ids, tokens, self.device_clock, started, logprobs, prompt_logprobs)
 
-    def _replay(self, order: list[ScheduledRequest]) -> torch.Tensor | None:
+    def _known_inputs(
+        self, order: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows whose input token the step launched before samples (UNKNOWN_TOKEN: they are
+        decodes, first in `order`) and those tokens, on the device; None if there are none."""
+        rows = [i for i, r in enumerate(order) if r.token_ids[0] == UNKNOWN_TOKEN]
+        if not rows:
+            return None
+        row_of, tokens = self._last_sampled
+        sources = [row_of[order[i].request_id] for i in rows]
+        return to_device(rows, self.device), tokens[to_device(sources, self.device)]
+
+    def _replay(
+        self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor | None:
         """Logits of the sampled rows of a decode-only step by graph replay, else None."""
         if any(r.num_tokens != 1 or r.prompt_targets for r in order):
             return None
         assert self.graphs is not None
-        logits = self.graphs.run(order)
+        logits = self.graphs.run(order, known)
         if logits is None or all(r.sample for r in order):
             return logits
         # One-token prefill chunks that end before the prompt does sample nothing.

@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 def _threads(num_threads: str) -> list[int]:
     code = (
-        "import torch; from engine.runner.torch_runner import set_engine_threads; "
+        "import torch; from engine.runner.engine_threads import set_engine_threads; "
         f"before = torch.get_num_threads(); chosen = set_engine_threads({num_threads}, 'cpu'); "
         "print(before, chosen, torch.get_num_threads())"
     )

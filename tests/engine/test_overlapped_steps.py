@@ -37,7 +37,7 @@ class StepWatch:
             if out.finished:
                 self.finish[out.request_id] = out.finish_reason
         self.engine.scheduler.check_integrity()
-        self.num_in_flight += self.engine.core.in_flight is not None
+        self.num_in_flight += bool(self.engine.core.in_flight)
 
     def run(self, requests: dict[str, tuple[list[int] | str, SamplingParams]]) -> StepWatch:
         for rid, (prompt, params) in requests.items():
@@ -69,6 +69,7 @@ def test_overlapped_greedy_tokens_match_hf_generate(tiny_model, scenario):
     tokens = {int(rid): t for rid, t in watch.tokens.items()}
     check_against_oracle(HFOracle(tiny_model), prompts, max_tokens, tokens)
     assert watch.num_in_flight > 10, "steps were meant to stay in flight"
+    assert engine.core.num_continuations > 5, "steps were meant to be launched ahead"
     if scenario == "preemption":
         assert engine.scheduler.num_preemptions_total > 0
 
@@ -103,6 +104,26 @@ def test_a_stop_string_found_while_the_next_step_runs_ends_the_request_the_same(
     assert overlapped.tokens == sync.tokens
 
 
+def test_stop_tokens_and_min_tokens_end_requests_the_same_with_steps_launched_ahead(tiny_model):
+    prompts = {f"t{i}": f"tokens {i} then" for i in range(6)}
+    plain = StepWatch(build_engine(tiny_model)).run(
+        {rid: (p, greedy(24)) for rid, p in prompts.items()}
+    )
+    requests = {}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        stop = plain.tokens[rid][3 + i]  # a token of its own greedy output
+        params = SamplingParams(
+            temperature=0.0, max_tokens=24, stop_token_ids=[stop], min_tokens=2 * i
+        )
+        requests[rid] = (prompt, params)
+    sync = StepWatch(build_engine(tiny_model)).run(requests)
+    engine = build_engine(tiny_model, deferred_steps=True)
+    overlapped = StepWatch(engine).run(requests)
+    assert engine.core.num_continuations > 3
+    assert "stop" in sync.finish.values()
+    assert overlapped.tokens == sync.tokens and overlapped.finish == sync.finish
+
+
 def test_a_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_model):
     engine = build_engine(tiny_model, deferred_steps=True)
     watch = StepWatch(engine)
@@ -111,8 +132,8 @@ def test_a_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_mo
     for _ in range(4):
         watch.step()
     in_flight = engine.core.in_flight
-    assert in_flight is not None
-    assert "b" in {s.request_id for s in in_flight.scheduled.scheduled}
+    assert in_flight
+    assert "b" in {s.request_id for s in in_flight[-1].scheduled.scheduled}
     before = len(watch.tokens["b"])
     engine.abort("b")
     while engine.has_unfinished_requests():

@@ -53,8 +53,10 @@ def test_overlap_on_and_off_give_the_same_greedy_tokens(tiny_model, scenario, ea
 def test_steps_stay_in_flight_and_stop_strings_end_requests_the_same(tiny_model):
     requests = stop_string_requests(tiny_model)
     sync = StepWatch(build_engine(tiny_model, device="cuda", overlap_steps=False)).run(requests)
-    overlapped = StepWatch(build_engine(tiny_model, device="cuda")).run(requests)
+    engine = build_engine(tiny_model, device="cuda")
+    overlapped = StepWatch(engine).run(requests)
     assert sync.num_in_flight == 0 and overlapped.num_in_flight > 5
+    assert engine.core.num_continuations > 5  # launched before the step before was collected
     assert overlapped.text == sync.text and overlapped.tokens == sync.tokens
 
 

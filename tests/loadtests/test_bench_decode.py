@@ -17,6 +17,7 @@ def test_bench_decode_reports_idle_fraction_tok_s_and_the_sampler(tiny_model, ca
         assert 0 <= result[f"{name}_device_idle_frac"] < 1
         assert result[f"{name}_step_ms"] > 0
     assert result["overlap_vs_sync"] > 0
+    assert result["sync_launched_ahead_frac"] == 0  # nothing is launched ahead without overlap
     assert result["sampler_ms_t1_top_p0.9"] > 0
 
 
