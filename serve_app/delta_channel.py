@@ -16,6 +16,7 @@ its request's queue.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import Counter
@@ -67,11 +68,13 @@ class DeltaQueue(asyncio.Queue):
     def __init__(self) -> None:
         super().__init__()
         self.num_tokens = 0
+        self.ended = False  # its last delta (or an error) has come
         # Called once the unsent tokens pass the channel's bound (set by the request's stream).
         self.on_overflow: Callable[[int], None] | None = None
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         super()._put(item)
+        self.ended |= not isinstance(item, RequestOutput) or item.finished
         if isinstance(item, RequestOutput):
             self.num_tokens += len(item.new_token_ids)
 
@@ -127,13 +130,9 @@ class Outbox:
         return items
 
     @property
-    def idle(self) -> bool:
-        return not self.items and self.num_open == 0
-
-    @property
     def unused(self) -> bool:
-        """Idle and nobody reading: the replica may drop it."""
-        return self.idle and not self.num_subscribers
+        """Idle (nothing queued or open) and nobody reading: the replica may drop it."""
+        return not self.items and self.num_open == 0 and not self.num_subscribers
 
     @property
     def abandoned(self) -> bool:
@@ -238,7 +237,10 @@ class DeltaChannels:
         self._replica_of[request_id] = replica_id
         self._open_at[replica_id] += 1
         if replica_id not in self._tasks:
-            task = asyncio.get_running_loop().create_task(self._listen(replica_id))
+            # Not a child call of the request starting it (Serve cancels those as clients leave).
+            task = asyncio.get_running_loop().create_task(
+                self._listen(replica_id), context=contextvars.Context()
+            )
             self._tasks[replica_id] = task
 
     def fail(self, request_id: str, exc: BaseException) -> None:
@@ -254,9 +256,8 @@ class DeltaChannels:
             overflow(queue.num_tokens)
 
     def close(self, request_id: str) -> None:
-        """The request ended here. Its replica's subscription stays: the replica ends it once
-        idle. (Cancelling it here could drop a batch already on its way that carries the
-        next delta of a request whose first delta has not been read yet.)"""
+        """The request ended here. Its replica's subscription stays (the replica ends it once
+        idle): cancelling it would drop the batches on their way, other requests' deltas."""
         self._queues.pop(request_id, None)
         replica_id = self._replica_of.pop(request_id, None)
         if replica_id is not None:
@@ -283,11 +284,15 @@ class DeltaChannels:
                 stream = None
                 if not delivered:  # it reached another replica: try again shortly
                     await asyncio.sleep(_RETRY_S)
-        except Exception as exc:  # the replica died or is unreachable
+        except BaseException as exc:  # the replica died or is unreachable, or this ingress stops
             logger.warning("delta channel to %s failed: %r", replica_id, exc)
+            # Its requests fail rather than wait for deltas nobody will read any more.
+            error = exc if isinstance(exc, Exception) else ConnectionError(f"{exc!r}")
             for request_id, at in list(self._replica_of.items()):
                 if at == replica_id:
-                    self.fail(request_id, exc)
+                    self.fail(request_id, error)
+            if error is not exc:
+                raise
         finally:
             if stream is not None:
                 stream.cancel()

@@ -19,6 +19,11 @@ from serve_app.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
 
+# How long a request's delta channel may take to bring its last delta once the engine
+# replica's call for it has ended (normally milliseconds; a subscription being set up again
+# under load takes a few seconds).
+CHANNEL_END_GRACE_S = 30.0
+
 # The task that runs a streamed response (its route handler's): cancelling it closes the
 # connection. The tasks sending the response and pumping its choices (n > 1) inherit it.
 response_task: contextvars.ContextVar[asyncio.Task | None] = contextvars.ContextVar(
@@ -134,13 +139,23 @@ class RequestStream:
             watcher.cancel()
 
     async def _watch(self) -> None:
-        """Its replica died before the channel delivered the end: fail the request."""
+        """Its replica died before the channel delivered the end, or the channel did not bring
+        the end it had (the replica queues a request's last delta before its call ends): fail
+        the request rather than leave its client waiting."""
+        assert self.channels is not None and self.queue is not None
         try:
             async for _ in self.call:
                 pass
         except Exception as exc:
-            assert self.channels is not None
             self.channels.fail(self.request_id, exc)
+            return
+        deadline = time.monotonic() + CHANNEL_END_GRACE_S
+        while not self.queue.ended and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.queue.ended:
+            logger.error("request %s: its delta channel lost its end", self.request_id)
+            lost = ConnectionError("the engine replica's deltas for this request were lost")
+            self.channels.fail(self.request_id, lost)
 
 
 async def closing(events: AsyncIterator[str], scope: contextlib.ExitStack) -> AsyncIterator[str]:

@@ -28,20 +28,29 @@ def assert_all_blocks_free(engine: AsyncLLMEngine) -> None:
     assert kv.num_free_blocks == kv.num_blocks
 
 
+async def stream_all(
+    engine: AsyncLLMEngine, prompts: list[str], params: SamplingParams
+) -> list[list[int]]:
+    """Every prompt streamed at once (request ids r0, r1, ...): each one's tokens, once the
+    engine is idle again."""
+
+    async def collect(i: int) -> list[int]:
+        tokens = []
+        async for out in engine.generate(prompts[i], params, request_id=f"r{i}"):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    got = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+    await engine.wait_idle()
+    return got
+
+
 def test_concurrent_streams_match_offline_generate(tiny_model):
     prompts = ["one", "two two", "three three three", "four"]
 
     async def main():
         engine = make_engine(tiny_model)
-
-        async def collect(i: int) -> list[int]:
-            tokens = []
-            async for out in engine.generate(prompts[i], greedy(12), request_id=f"r{i}"):
-                tokens.extend(out.new_token_ids)
-            return tokens
-
-        got = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
-        await engine.wait_idle()
+        got = await stream_all(engine, prompts, greedy(12))
         assert_all_blocks_free(engine)
         await engine.shutdown()
         return got

@@ -14,6 +14,7 @@ from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.llm_engine import LLMEngine
 from tests.conftest import build_engine
 from tests.engine.oracle import HFOracle
+from tests.engine.test_async_engine import stream_all
 from tests.engine.test_oracle import check_against_oracle, random_prompts, scenario_engine
 
 
@@ -197,15 +198,7 @@ def test_async_engine_streams_with_steps_in_flight(tiny_model):
 
     async def main() -> dict[str, list[int]]:
         engine = AsyncLLMEngine(build_engine(tiny_model, deferred_steps=True))
-
-        async def collect(i: int) -> list[int]:
-            tokens = []
-            async for out in engine.generate(prompts[i], greedy(12), request_id=f"r{i}"):
-                tokens.extend(out.new_token_ids)
-            return tokens
-
-        got = await asyncio.gather(*(collect(i) for i in range(len(prompts))))
-        await engine.wait_idle()
+        got = await stream_all(engine, prompts, greedy(12))
         assert_all_free(engine.engine)
         await engine.shutdown()
         return {f"r{i}": t for i, t in enumerate(got)}

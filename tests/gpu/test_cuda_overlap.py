@@ -9,7 +9,7 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from tests.conftest import build_engine
 from tests.engine.oracle import HFOracle
-from tests.engine.test_oracle import SCENARIOS, check_against_oracle, run_mix
+from tests.engine.test_oracle import SCENARIOS, check_against_oracle, run_mix, scenario_engine
 from tests.engine.test_overlapped_steps import StepWatch, stop_string_requests
 from tests.gpu.test_cuda_engine import mixed_requests
 
@@ -20,18 +20,13 @@ pytestmark = [
 
 
 def cuda_engine(model: str, scenario: str, overlap: bool, eager: bool):
-    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
-    engine = build_engine(
+    engine = scenario_engine(
         model,
-        block_size,
-        num_blocks,
+        scenario,
         device="cuda",
         attention_backend="triton",
         overlap_steps=overlap,
         enforce_eager=eager,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        batching=batching,
     )
     assert (engine.runner.graphs is None) == eager
     return engine

@@ -60,6 +60,6 @@ def test_unread_deltas_with_nobody_left_are_abandoned():
     outbox.put(_delta("a", 1, finished=True))
     assert not outbox.abandoned  # just written: its subscriber may be on the way
     outbox._last_read -= 1e6
-    assert outbox.abandoned and not outbox.idle
+    assert outbox.abandoned and not outbox.unused
     outbox.num_subscribers = 1
     assert not outbox.abandoned
