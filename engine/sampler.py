@@ -115,9 +115,9 @@ class Sampler:
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`: on a GPU through pinned memory without waiting
-    for the kernels queued before it (a plain copy would wait for them)."""
-    host = torch.tensor(values)
+    """A host list or tensor as a tensor on `device`: on a GPU through pinned memory without
+    waiting for the kernels queued before it (a plain copy would wait for them)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from functools import partial
 
 import torch
 from torch.distributed import Store
@@ -123,7 +124,7 @@ class TorchModelRunner:
         self.device_clock = DeviceClock(self.device)
         # The last step's sampled tokens, on the device, by request id: the input of a step
         # launched before that one is collected (engine/core/continuation.py).
-        self._last_sampled: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0))
+        self._last_sampled: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
         self.graphs: DecodeGraphs | None = None
         graphable = self.backend.supports_graphs and world == 1
         if self.device.type == "cuda" and graphable and not config.enforce_eager:
@@ -209,7 +210,7 @@ class TorchModelRunner:
             logits = logits[: len(sampled)]
         tokens, logprobs = self.sampler.draw(logits, sampled)
         ids = [r.request_id for r in sampled]
-        self._last_sampled = ({rid: row for row, rid in enumerate(ids)}, tokens)
+        self._last_sampled = (ids, tokens)
         return LaunchedStep(ids, tokens, self.device_clock, started, logprobs, prompt_logprobs)
 
     def _known_inputs(
@@ -220,7 +221,8 @@ class TorchModelRunner:
         rows = [i for i, r in enumerate(order) if r.token_ids[0] == UNKNOWN_TOKEN]
         if not rows:
             return None
-        row_of, tokens = self._last_sampled
+        ids, tokens = self._last_sampled
+        row_of = {rid: row for row, rid in enumerate(ids)}
         sources = [row_of[order[i].request_id] for i in rows]
         return to_device(rows, self.device), tokens[to_device(sources, self.device)]
 
@@ -275,7 +277,7 @@ class TorchModelRunner:
             if r.prompt_targets:
                 rows += range(offsets[i], offsets[i] + len(r.prompt_targets))
         logits_indices = torch.tensor(rows, dtype=torch.long)
-        move = self._to_device
+        move = partial(to_device, device=self.device)
         layout = BatchLayout(
             num_decodes=sum(1 for c in counts if c == 1),
             query_start_loc=offsets,
@@ -287,9 +289,3 @@ class TorchModelRunner:
             sliding_window=self.spec.sliding_window,
         )
         return move(input_ids), move(positions), layout, move(logits_indices)
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A GPU's copy goes through pinned memory and does not hold the host up."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
