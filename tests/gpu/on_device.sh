@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks and figures (tests/gpu, bench_decode, bench_engine) on a lent GPU machine,
+# one stage per call of the `device` tool, each well inside a call's 10 minutes:
+#   bash tests/gpu/on_device.sh tests   # tests/gpu
+#   bash tests/gpu/on_device.sh small   # steady decode and the whole workload, small model
+#   bash tests/gpu/on_device.sh 8b      # the same on an 8B-shaped random checkpoint
+# That machine's image holds torch, triton, transformers and pytest: the checkout runs from
+# PYTHONPATH, nothing is installed. Each step's log (JSON last) goes to $OUT/<step>.log and its
+# tail to the output; a failing step does not stop the next.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/on-device}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: rc $? in $((SECONDS - start)) s"
+    tail -n 12 "$OUT/$name.log"
+}
+
+# The workload's figures: steady decode (overlap and graphs off/on, the sampler at batch 256),
+# then the whole workload against HF static and with each of overlap and graphs turned off.
+figures() {  # figures TAG MODEL HF_BATCH_SIZES
+    local tag=$1 model=$2 hf=$3
+    local common=(--model "$model" --device "$DEVICE" --dtype "$DTYPE" --json)
+    step "$tag-decode64" 280 "$PY" -m loadtests.bench_decode "${common[@]}" --batch 64
+    step "$tag-decode256" 280 "$PY" -m loadtests.bench_decode "${common[@]}" --batch 256 \
+        --temperature 1.0 --top-p 0.9
+    step "$tag-engine" 400 "$PY" -m loadtests.bench_engine "${common[@]}" --repeat 2 \
+        --hf-batch-sizes "$hf"
+    for variant in --no-overlap --enforce-eager; do
+        step "$tag-engine$variant" 300 "$PY" -m loadtests.bench_engine "${common[@]}" \
+            --repeat 2 --skip-hf --skip-static "$variant"
+    done
+}
+
+"$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available() and \
+torch.cuda.get_device_name())"
+case ${1:-} in
+    tests) step gpu-tests 560 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu ;;
+    small) figures small "${MODEL:-small}" 128 ;;
+    8b)
+        checkpoint=/tmp/llama3-8b-random
+        [ -f "$checkpoint/config.json" ] || step checkpoint-8b 300 "$PY" -m \
+            engine.model.random_checkpoint --shape llama3-8b --out "$checkpoint" \
+            --dtype "$DTYPE" --device "$DEVICE"
+        figures 8b "$checkpoint" 64
+        ;;
+    *) echo "usage: $0 tests|small|8b" >&2 && exit 2 ;;
+esac
