@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.outputs import ScheduledRequest, TokenLogprob
+from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest, TokenLogprob
 from engine.cpu.decoder_ops import argmax_last_dim
 from engine.draws import uniforms
+from engine.logprobs import SampledLogprobs
+from engine.transfers import to_device
 
 if TYPE_CHECKING:
     from engine.grammar_bank import GrammarBank
@@ -49,20 +51,25 @@ class Sampler:
         """`sample`, and the log-probabilities of the requests that ask for them: of the raw
         logits (before biases, penalties, temperature and filters), as vLLM reports them."""
         tokens, logprobs = self.draw(logits, requests)
-        return tokens.tolist(), logprobs
+        return tokens.tolist(), logprobs.by_request() if logprobs is not None else {}
 
     def draw(
-        self, logits: torch.Tensor, requests: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, dict[str, TokenLogprob]]:
+        self,
+        logits: torch.Tensor,
+        requests: list[ScheduledRequest],
+        previous: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """The sampled token ids as a tensor on the logits' device, and the log-probabilities
-        of the requests that ask. Waits for the device only for logprobs and grammar rows
-        (their matchers take the tokens now)."""
+        of the requests that ask, on their way to the host. Waits for the device only for
+        grammar rows (their matchers take the tokens now). `previous`: per row, on the
+        device, the token sampled by the step before where the host does not know it yet
+        (UNKNOWN_TOKEN ends the row's `seen_token_ids`)."""
         device = logits.device
         asking = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if asking:
             at = to_device(asking, device)
             raw = logits[at].float().log_softmax(-1)  # a copy: taken before the adjustments
-        adjust_logits(logits, requests)
+        adjust_logits(logits, requests, previous)
         banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids]
         if banned:
             rows, ids = zip(*banned, strict=True)
@@ -81,8 +88,8 @@ class Sampler:
         if constrained:
             grammars.accept(requests, tokens.tolist())
         if not asking:
-            return tokens, {}
-        return tokens, _logprobs(raw, tokens[at], [requests[i] for i in asking])
+            return tokens, None
+        return tokens, SampledLogprobs(raw, tokens[at], [requests[i] for i in asking])
 
     def sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Token ids [len(requests)] for rows that sample (temperature > 0)."""
@@ -114,57 +121,11 @@ class Sampler:
         return seed - _INT64 if seed >= _INT64 // 2 else seed
 
 
-def to_device(values, device: torch.device) -> torch.Tensor:
-    """A host list or tensor as a tensor on `device`: on a GPU through pinned memory without
-    waiting for the kernels queued before it (a plain copy would wait for them)."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _logprobs(
-    raw: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]
-) -> dict[str, TokenLogprob]:
-    ks = [r.sampling_params.logprobs or 0 for r in requests]
-    entries = token_logprobs(raw, tokens, ks)
-    return {r.request_id: e for r, e in zip(requests, entries, strict=True)}
-
-
-def prompt_token_logprobs(
-    logits: torch.Tensor, requests: list[ScheduledRequest]
-) -> dict[str, tuple[int, list[TokenLogprob]]]:
-    """Prompt log-probabilities from `logits` [rows, vocab], the rows of the requests with
-    `prompt_targets`, in order: per request, (prompt position of its first entry, entries)."""
-    asking = [r for r in requests if r.prompt_targets]
-    targets = to_device([t for r in asking for t in r.prompt_targets], logits.device)
-    ks = [r.sampling_params.prompt_logprobs or 0 for r in asking for _ in r.prompt_targets]
-    entries = token_logprobs(logits.float().log_softmax(-1), targets, ks)
-    out, at = {}, 0
-    for r in asking:
-        count = len(r.prompt_targets)
-        out[r.request_id] = (r.num_computed_tokens + 1, entries[at : at + count])
-        at += count
-    return out
-
-
-def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
-    """Per row of log-probabilities `raw` [rows, vocab]: the log-probability of `tokens[row]`
-    and the `ks[row]` most likely tokens'."""
-    chosen = raw.gather(1, tokens[:, None].to(torch.int64))[:, 0].tolist()
-    k = max(ks, default=0)
-    top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0])
-    values, ids = top_values.tolist(), top_ids.tolist()
-    out = []
-    for row, n in enumerate(ks):
-        top = zip(ids[row][:n], values[row][:n], strict=True)
-        out.append(TokenLogprob(chosen[row], [(int(t), v) for t, v in top]))
-    return out
-
-
-def adjust_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
+def adjust_logits(
+    logits: torch.Tensor, requests: list[ScheduledRequest], previous: torch.Tensor | None = None
+) -> None:
     """Apply logit biases, then presence/frequency/repetition penalties, in place, to the rows
-    whose requests set them."""
+    whose requests set them (`previous`: as in Sampler.draw)."""
     rows = [
         i
         for i, r in enumerate(requests)
@@ -183,35 +144,51 @@ def adjust_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> Non
         where_, ids, values = zip(*bias, strict=True)
         index = (to_device(where_, device), to_device(ids, device))
         sub.index_put_(index, to_device(values, device), accumulate=True)
-    penalized = [(j, requests[i]) for j, i in enumerate(rows) if requests[i].seen_token_ids]
+    penalized = [(j, i, requests[i]) for j, i in enumerate(rows) if requests[i].seen_token_ids]
     if penalized:
-        _penalize(sub, penalized)
+        _penalize(sub, penalized, previous)
     logits[to_device(rows, device)] = sub.to(logits.dtype)
 
 
-def _penalize(sub: torch.Tensor, penalized: list[tuple[int, ScheduledRequest]]) -> None:
+def _penalize(
+    sub: torch.Tensor,
+    penalized: list[tuple[int, int, ScheduledRequest]],
+    previous: torch.Tensor | None,
+) -> None:
     """Presence, frequency and repetition penalties on rows `j` of `sub`, from one count and
-    one mask built by index_put over the requests' token lists."""
+    one mask built by index_put over the requests' token lists (a list's UNKNOWN_TOKEN is
+    the request's row `i` of `previous`)."""
     device = sub.device
-    which = to_device([j for j, _ in penalized], device)
+    which = to_device([j for j, _, _ in penalized], device)
     rows = sub[which]
     out_at, out_ids, seen_at, seen_ids = [], [], [], []
-    for k, (_, r) in enumerate(penalized):
+    for k, (_, _, r) in enumerate(penalized):
         seen = r.seen_token_ids or []
         output = seen[len(seen) - r.num_output_tokens :] if r.num_output_tokens else []
         out_at += [k] * len(output)
         out_ids += output
         seen_at += [k] * len(seen)
         seen_ids += seen
+    unknown = any(r.seen_token_ids[-1] == UNKNOWN_TOKEN for _, _, r in penalized)
+    if unknown:
+        assert previous is not None, "a row's last token is on the device only"
+        last = previous[to_device([i for _, i, _ in penalized], device)]
+
+    def token_ids(at: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        ids_ = to_device(ids, device)
+        return torch.where(ids_ == UNKNOWN_TOKEN, last[at], ids_) if unknown else ids_
+
     counts = torch.zeros_like(rows)
     if out_ids:
-        at = (to_device(out_at, device), to_device(out_ids, device))
-        counts.index_put_(at, torch.ones(len(out_ids), device=device), accumulate=True)
+        at = to_device(out_at, device)
+        index = (at, token_ids(at, out_ids))
+        counts.index_put_(index, torch.ones(len(out_ids), device=device), accumulate=True)
     seen_mask = torch.zeros_like(rows, dtype=torch.bool)
-    seen_mask[to_device(seen_at, device), to_device(seen_ids, device)] = True
+    at = to_device(seen_at, device)
+    seen_mask[at, token_ids(at, seen_ids)] = True
 
     def column(name: str) -> torch.Tensor:
-        values = [getattr(r.sampling_params, name) for _, r in penalized]
+        values = [getattr(r.sampling_params, name) for _, _, r in penalized]
         return to_device(values, device)[:, None]
 
     rep = column("repetition_penalty")

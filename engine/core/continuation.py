@@ -20,8 +20,8 @@ def schedule_continuation(
     scheduler: Scheduler, previous: SchedulerOutput
 ) -> SchedulerOutput | None:
     """The step after `previous` (launched, not yet collected), or None where it cannot be
-    told yet. Rows that need the step before's tokens on the host (penalties, grammars) or
-    that wait for the device in the sampler (logprobs) make it None."""
+    told yet. Grammar rows make it None: their matchers need the step before's tokens on
+    the host."""
     if scheduler.waiting and scheduler._may_admit():
         return None
     requests = scheduler.requests
@@ -36,12 +36,7 @@ def schedule_continuation(
     rows: list[ScheduledRequest] = []
     for s in live:
         params = s.sampling_params
-        if (
-            not s.sample
-            or params.penalized
-            or params.structured is not None
-            or params.logprobs is not None
-        ):
+        if not s.sample or params.structured is not None:
             return None
         request = requests[s.request_id]
         num_output = request.num_output_tokens + 1  # with the token `previous` samples
@@ -51,10 +46,20 @@ def schedule_continuation(
         if kv.allocate_slots(request, s.num_tokens + 1) is None:
             return None
         banned = tuple(sorted(request.stop_token_ids)) if num_output < params.min_tokens else ()
+        # Penalties count the token `previous` samples: the runner has it on the device.
+        seen = request.all_token_ids + [UNKNOWN_TOKEN] if params.penalized else None
         block_ids = kv.block_ids(s.request_id)
         rows.append(
             ScheduledRequest(
-                s.request_id, [UNKNOWN_TOKEN], position, block_ids, True, params, num_output, banned
+                s.request_id,
+                [UNKNOWN_TOKEN],
+                position,
+                block_ids,
+                True,
+                params,
+                num_output,
+                banned,
+                seen,
             )
         )
     if not rows:

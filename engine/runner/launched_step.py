@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from engine.core.outputs import ModelRunnerOutput, TokenLogprob
+from engine.core.outputs import ModelRunnerOutput
+from engine.logprobs import PromptLogprobs, SampledLogprobs
+from engine.transfers import to_host
 
 
 class DeviceClock:
@@ -47,7 +49,8 @@ class DeviceClock:
 
 
 class LaunchedStep:
-    """A step's sampled tokens (`tokens`, on the step's device, one per `request_ids`)."""
+    """A step's sampled tokens (`tokens`, on the step's device, one per `request_ids`) and
+    log-probabilities, all copied to the host behind its kernels."""
 
     def __init__(
         self,
@@ -55,26 +58,22 @@ class LaunchedStep:
         tokens: torch.Tensor,
         clock: DeviceClock,
         started: torch.cuda.Event | float,
-        logprobs: dict[str, TokenLogprob] | None = None,
-        prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None,
+        logprobs: SampledLogprobs | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> None:
         self.request_ids = request_ids
-        if tokens.device.type == "cuda":
-            # Pinned, so the copy runs behind the kernels; the host allocator keeps the
-            # buffer until the copy is done.
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-        else:
-            self._host = tokens
+        self._host = to_host(tokens)
         self._clock, self._started = clock, started
         self._end = clock.stop(started)
         self.ready = self._end is None
-        self._logprobs = logprobs or {}
-        self._prompt_logprobs = prompt_logprobs or {}
+        self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
 
     def result(self) -> ModelRunnerOutput:
         self._clock.settle(self._started, self._end)
         ids = self._host.tolist()
+        logprobs, prompt = self._logprobs, self._prompt_logprobs
         return ModelRunnerOutput(
-            dict(zip(self.request_ids, ids, strict=True)), self._logprobs, self._prompt_logprobs
+            dict(zip(self.request_ids, ids, strict=True)),
+            logprobs.by_request() if logprobs is not None else {},
+            prompt.by_request() if prompt is not None else {},
         )

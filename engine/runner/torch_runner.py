@@ -13,7 +13,6 @@ from engine.attention.base import BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.outputs import (
-    UNKNOWN_TOKEN,
     ModelRunnerOutput,
     PendingStep,
     ReadyStep,
@@ -22,16 +21,19 @@ from engine.core.outputs import (
 )
 from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
 from engine.grammar_bank import GrammarBank
+from engine.logprobs import PromptLogprobs
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
+from engine.runner.continued_inputs import known_inputs, previous_tokens
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.engine_threads import set_engine_threads
 from engine.runner.kv_budget import kv_cache_budget
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.tensor_parallel import RankWorkers, TensorParallel
-from engine.sampler import Sampler, prompt_token_logprobs, to_device
+from engine.sampler import Sampler
+from engine.transfers import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +193,7 @@ class TorchModelRunner:
         order = [r for r in scheduled if r.num_tokens == 1]
         order += [r for r in scheduled if r.num_tokens != 1]
         started = self.device_clock.start()
-        known = self._known_inputs(order)
+        known = known_inputs(order, *self._last_sampled)
         logits = self._replay(order, known) if self.graphs is not None else None
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
@@ -204,27 +206,15 @@ class TorchModelRunner:
         if not sample:
             return ReadyStep(ModelRunnerOutput({}))
         sampled = [r for r in order if r.sample]
-        prompt_logprobs = {}
+        prompt_logprobs = None
         if len(logits) > len(sampled):  # rows for prompt logprobs follow the sampled rows
-            prompt_logprobs = prompt_token_logprobs(logits[len(sampled) :], order)
+            prompt_logprobs = PromptLogprobs(logits[len(sampled) :], order)
             logits = logits[: len(sampled)]
-        tokens, logprobs = self.sampler.draw(logits, sampled)
+        previous = previous_tokens(order, sampled, known)
+        tokens, logprobs = self.sampler.draw(logits, sampled, previous)
         ids = [r.request_id for r in sampled]
         self._last_sampled = (ids, tokens)
         return LaunchedStep(ids, tokens, self.device_clock, started, logprobs, prompt_logprobs)
-
-    def _known_inputs(
-        self, order: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rows whose input token the step launched before samples (UNKNOWN_TOKEN: they are
-        decodes, first in `order`) and those tokens, on the device; None if there are none."""
-        rows = [i for i, r in enumerate(order) if r.token_ids[0] == UNKNOWN_TOKEN]
-        if not rows:
-            return None
-        ids, tokens = self._last_sampled
-        row_of = {rid: row for row, rid in enumerate(ids)}
-        sources = [row_of[order[i].request_id] for i in rows]
-        return to_device(rows, self.device), tokens[to_device(sources, self.device)]
 
     def _replay(
         self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None

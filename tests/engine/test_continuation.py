@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
-
 from engine.core.continuation import schedule_continuation
 from engine.core.outputs import UNKNOWN_TOKEN, SchedulerOutput
 from engine.core.sampling_params import StructuredOutput
@@ -22,20 +20,31 @@ def decoding(sched: Scheduler, *requests) -> Scheduler:
     return sched
 
 
-def rows(out: SchedulerOutput) -> list[tuple]:
+def rows(out: SchedulerOutput, previous_token: int | None = None) -> list[tuple]:
+    """Each row's scheduling; `previous_token` stands for UNKNOWN_TOKEN in the tokens that
+    penalties count (the token the step before samples, which the runner has)."""
+
+    def seen(ids: list[int] | None) -> list[int] | None:
+        if ids is None or previous_token is None:
+            return ids
+        return [previous_token if t == UNKNOWN_TOKEN else t for t in ids]
+
     return [
         (s.request_id, s.num_computed_tokens, list(s.block_ids), s.num_output_tokens)
-        + (s.banned_token_ids, s.sampling_params)
+        + (s.banned_token_ids, s.sampling_params, seen(s.seen_token_ids))
         for s in out.scheduled
     ]
 
 
 def test_the_continuation_is_the_step_scheduled_after_the_tokens_are_in():
     sched = decoding(
-        make_scheduler(block_size=4, max_num_seqs=3),
+        make_scheduler(block_size=4, max_num_seqs=5),
         *(make_request(f"r{i}", 5 + i, max_tokens=30) for i in range(2)),
         # Stop tokens banned until min_tokens, in the continuation as in the step after.
         make_request("r2", 7, max_tokens=30, ignore_eos=False, min_tokens=8),
+        # Penalties count the token in flight (UNKNOWN_TOKEN here); logprobs need nothing.
+        make_request("r3", 6, max_tokens=30, frequency_penalty=0.5, logprobs=2),
+        make_request("r4", 3, max_tokens=30, repetition_penalty=1.2),
     )
     for _ in range(12):  # across block boundaries: each crossing allocates a block
         previous = sched.schedule()
@@ -47,7 +56,7 @@ def test_the_continuation_is_the_step_scheduled_after_the_tokens_are_in():
         expected = twin.schedule()
         sched.update_from_output(previous, fake_run(previous))
         sched.check_integrity()
-        assert rows(continuation) == rows(expected)
+        assert rows(continuation, previous_token=7) == rows(expected)  # fake_run's token
         sched.update_from_output(continuation, fake_run(continuation))
         sched.check_integrity()
 
@@ -77,18 +86,12 @@ def test_none_while_a_waiting_request_could_be_admitted():
     assert schedule_continuation(full, previous) is not None
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        {"frequency_penalty": 0.5},
-        {"repetition_penalty": 1.2},
-        {"logprobs": 2},
-        {"structured": StructuredOutput("regex", "[a-z]+")},
-    ],
-)
-def test_none_for_rows_that_need_the_step_before_on_the_host(params):
+def test_none_for_grammar_rows_whose_matchers_need_the_step_before_on_the_host():
+    spec = StructuredOutput("regex", "[a-z]+")
     sched = decoding(
-        make_scheduler(), make_request("plain", 4, max_tokens=20), make_request("x", 4, **params)
+        make_scheduler(),
+        make_request("plain", 4, max_tokens=20),
+        make_request("held", 4, structured=spec),
     )
     assert schedule_continuation(sched, sched.schedule()) is None
 

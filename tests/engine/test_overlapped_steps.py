@@ -165,12 +165,41 @@ def test_seeded_draws_penalties_and_logprobs_are_unchanged_by_overlap(tiny_model
         }
 
     sync = StepWatch(build_engine(tiny_model)).run(requests())
-    overlapped = StepWatch(build_engine(tiny_model, deferred_steps=True)).run(requests())
-    assert overlapped.num_in_flight > 5
+    engine = build_engine(tiny_model, deferred_steps=True)
+    overlapped = StepWatch(engine).run(requests())
+    assert overlapped.num_in_flight > 5 and engine.core.num_continuations > 5
     assert overlapped.tokens == sync.tokens
     for rid, entries in sync.logprobs.items():
         got = overlapped.logprobs[rid]
         assert [e.top for e in got] == [e.top for e in entries]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in entries])
+
+
+def test_penalties_count_the_token_of_the_step_still_in_flight(tiny_model):
+    """Greedy rows under strong penalties: steps launched ahead take the token of the step
+    before (on the device only) into their counts, so every choice equals the plain loop's."""
+
+    kinds = [
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"repetition_penalty": 3.0},
+        {"frequency_penalty": 1.0, "repetition_penalty": 2.0},
+    ]
+
+    def requests(penalized: bool = True) -> dict[str, tuple[str, SamplingParams]]:
+        return {
+            f"p{i}": (f"penalized {i}", greedy(24, **(kind if penalized else {})))
+            for i, kind in enumerate(kinds)
+        }
+
+    sync = StepWatch(build_engine(tiny_model, overlap_steps=False)).run(requests())
+    engine = build_engine(tiny_model, deferred_steps=True)
+    overlapped = StepWatch(engine).run(requests())
+    assert engine.core.num_continuations > 10
+    assert overlapped.tokens == sync.tokens
+    # The penalties change the greedy tokens (else this would test nothing).
+    plain = StepWatch(build_engine(tiny_model, overlap_steps=False)).run(requests(False))
+    assert all(sync.tokens[rid] != plain.tokens[rid] for rid in plain.tokens)
 
 
 def test_steps_with_grammar_rows_finish_before_their_outputs_are_read(tiny_model):
