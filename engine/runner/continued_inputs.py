@@ -10,18 +10,34 @@ from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest
 from engine.transfers import to_device
 
 
+def _unknown_rows(order: list[ScheduledRequest]) -> list[int]:
+    """The rows of `order` whose input token is UNKNOWN_TOKEN (decodes, first in `order`)."""
+    return [i for i, r in enumerate(order) if r.token_ids[0] == UNKNOWN_TOKEN]
+
+
 def known_inputs(
     order: list[ScheduledRequest], sampled_ids: list[str], sampled: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows of `order` whose input token is UNKNOWN_TOKEN (decodes, first in `order`) and
-    their tokens from the step before's `sampled` (one per `sampled_ids`), on the device;
-    None if there are none."""
-    rows = [i for i, r in enumerate(order) if r.token_ids[0] == UNKNOWN_TOKEN]
+    """The rows of `order` whose input token is UNKNOWN_TOKEN and their tokens (int64) from
+    the step before's `sampled` (one per `sampled_ids`), on the device; None if none."""
+    rows = _unknown_rows(order)
     if not rows:
         return None
     row_of = {rid: row for row, rid in enumerate(sampled_ids)}
     sources = [row_of[order[i].request_id] for i in rows]
-    return to_device(rows, sampled.device), sampled[to_device(sources, sampled.device)]
+    device = sampled.device
+    return to_device(rows, device), sampled[to_device(sources, device)].long()
+
+
+def awaited_inputs(
+    order: list[ScheduledRequest], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`known_inputs` on a rank that does not sample: the rows, and room for their tokens
+    (filled by rank 0's broadcast); None if none."""
+    rows = _unknown_rows(order)
+    if not rows:
+        return None
+    return to_device(rows, device), torch.empty(len(rows), dtype=torch.int64, device=device)
 
 
 def previous_tokens(
@@ -35,7 +51,7 @@ def previous_tokens(
     if known is None or not any(r.seen_token_ids for r in sampled):
         return None
     row_of = {id(r): j for j, r in enumerate(sampled)}
-    rows = [row_of[id(r)] for r in order if r.token_ids[0] == UNKNOWN_TOKEN]
+    rows = [row_of[id(order[i])] for i in _unknown_rows(order)]
     tokens = known[1]
     previous = torch.full((len(sampled),), UNKNOWN_TOKEN, dtype=tokens.dtype, device=tokens.device)
     previous[to_device(rows, tokens.device)] = tokens

@@ -16,6 +16,7 @@ import pickle
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -62,6 +63,12 @@ class TensorParallel:
         parts = [torch.empty_like(t) for _ in range(self.shard.world_size)]
         self._group.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=1)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every rank's `t` (contiguous, the same shape and dtype)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._group.broadcast([t], options).wait()
 
     def min(self, value: int) -> int:
         """The least of every rank's `value` (e.g. the KV blocks each rank's memory holds)."""
@@ -125,6 +132,29 @@ class RankWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+class RankedStep:
+    """Rank 0's share of a step the other ranks run too: a failure, whether at launch or
+    when the step is collected (on a GPU, where collectives run behind the host), is raised
+    naming the rank whose process ended, where one did."""
+
+    def __init__(self, workers: RankWorkers, launch: Callable[[], Any]) -> None:
+        self._workers = workers
+        self._step = self._naming_ranks(launch)
+        self.ready = self._step.ready
+
+    def result(self) -> Any:
+        return self._naming_ranks(self._step.result)
+
+    def _naming_ranks(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Exception as exc:
+            problem = self._workers.problem()
+            if problem is None:
+                raise
+            raise RuntimeError(problem) from exc
 
 
 def run_rank(connection: Connection) -> None:

@@ -25,13 +25,13 @@ from engine.logprobs import PromptLogprobs
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
-from engine.runner.continued_inputs import known_inputs, previous_tokens
+from engine.runner.continued_inputs import awaited_inputs, known_inputs, previous_tokens
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.engine_threads import set_engine_threads
 from engine.runner.kv_budget import kv_cache_budget
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.launched_step import DeviceClock, LaunchedStep
-from engine.runner.tensor_parallel import RankWorkers, TensorParallel
+from engine.runner.tensor_parallel import RankedStep, RankWorkers, TensorParallel
 from engine.sampler import Sampler
 from engine.transfers import to_device
 
@@ -155,13 +155,9 @@ class TorchModelRunner:
         if self.workers is None:
             return self._launch(scheduler_output)
         self.workers.send(scheduler_output)  # the other ranks run the same step
-        try:  # to its end: a failure in a collective then names the rank that caused it
-            return ReadyStep(self._launch(scheduler_output).result())
-        except Exception as exc:
-            problem = self.workers.problem()
-            if problem is None:
-                raise
-            raise RuntimeError(problem) from exc
+        # A failure in a collective, at launch or when collected, names the rank it lost.
+        step = RankedStep(self.workers, lambda: self._launch(scheduler_output))
+        return ReadyStep(step.result()) if step.ready else step
 
     def follow(self, scheduler_output: SchedulerOutput) -> None:
         """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's)."""
@@ -193,7 +189,7 @@ class TorchModelRunner:
         order = [r for r in scheduled if r.num_tokens == 1]
         order += [r for r in scheduled if r.num_tokens != 1]
         started = self.device_clock.start()
-        known = known_inputs(order, *self._last_sampled)
+        known = self._known_inputs(order)
         logits = self._replay(order, known) if self.graphs is not None else None
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
@@ -215,6 +211,19 @@ class TorchModelRunner:
         ids = [r.request_id for r in sampled]
         self._last_sampled = (ids, tokens)
         return LaunchedStep(ids, tokens, self.device_clock, started, logprobs, prompt_logprobs)
+
+    def _known_inputs(
+        self, order: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """continued_inputs.known_inputs; under tensor parallelism rank 0 (which samples)
+        broadcasts those tokens to the other ranks, device to device."""
+        if self.tp is None or self.tp.shard.rank == 0:
+            known = known_inputs(order, *self._last_sampled)
+        else:
+            known = awaited_inputs(order, self.device)
+        if self.tp is not None and known is not None:
+            self.tp.broadcast(known[1])
+        return known
 
     def _replay(
         self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): N ranks in N processes give the tokens and logprobs
-of one rank, each rank reads its share of the checkpoint, and a dead rank fails its engine's
-requests with an error naming it."""
+of one rank, also with steps launched ahead, each rank reads its share of the checkpoint, and
+a dead rank fails its engine's requests with an error naming it."""
 
 from __future__ import annotations
 
@@ -30,13 +30,18 @@ def wide_model() -> str:
     return str(make_model(REPO / "models" / "tiny-wide", size="tiny-wide"))
 
 
-def _mix(model: str, scenario: str, world: int, seed: int = 0) -> dict[int, list[int]]:
-    engine = scenario_engine(model, scenario, tensor_parallel_size=world)
+def _mix(
+    model: str, scenario: str, world: int, seed: int = 0, **engine_args
+) -> dict[int, list[int]]:
+    engine = scenario_engine(model, scenario, tensor_parallel_size=world, **engine_args)
     try:
         rng = random.Random(seed)
         prompts = random_prompts(seed, 12, max_len=40)
         max_tokens = [rng.randint(1, 20) for _ in prompts]
-        return run_mix(engine, prompts, max_tokens, [rng.randint(0, 6) for _ in prompts])
+        tokens = run_mix(engine, prompts, max_tokens, [rng.randint(0, 6) for _ in prompts])
+        if engine_args.get("deferred_steps"):  # steps were launched ahead, as on a GPU
+            assert engine.core.num_continuations > 5
+        return tokens
     finally:
         engine.close()
 
@@ -55,6 +60,14 @@ def _mix(model: str, scenario: str, world: int, seed: int = 0) -> dict[int, list
 def test_greedy_tokens_equal_one_rank(wide_model, arch, world, scenario):
     model = wide_model if arch == "wide" else tiny_model_dir(arch)
     assert _mix(model, scenario, world) == _mix(model, scenario, 1)
+
+
+@pytest.mark.parametrize(("world", "scenario"), [(2, "roomy"), (4, "chunked+preemption")])
+def test_steps_launched_ahead_get_rank_0s_tokens_on_every_rank(wide_model, world, scenario):
+    """Steps computed when collected, as on a GPU: a step launched before the one in flight
+    is collected takes its input tokens from rank 0's sampled tokens by broadcast."""
+    deferred = _mix(wide_model, scenario, world, deferred_steps=True)
+    assert deferred == _mix(wide_model, scenario, 1)
 
 
 @pytest.mark.parametrize("world", [2, 4])

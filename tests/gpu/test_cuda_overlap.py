@@ -68,3 +68,33 @@ def test_seeded_sampling_is_the_same_with_steps_in_flight(tiny_model):
     sync = StepWatch(build_engine(tiny_model, device="cuda", overlap_steps=False)).run(requests())
     overlapped = StepWatch(build_engine(tiny_model, device="cuda")).run(requests())
     assert overlapped.tokens == sync.tokens
+
+
+def test_penalties_and_logprobs_are_the_same_with_steps_launched_ahead(tiny_model):
+    """Penalized rows count the token of the step in flight on the device; logprobs come to
+    the host behind the kernels: neither stops steps being launched ahead."""
+
+    def requests():
+        return {
+            f"r{i}": (
+                f"penalized {i}",
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=24,
+                    ignore_eos=True,
+                    frequency_penalty=2.0 if i % 2 else 0.0,
+                    repetition_penalty=2.0 if i % 3 == 0 else 1.0,
+                    logprobs=2 if i < 3 else None,
+                ),
+            )
+            for i in range(6)
+        }
+
+    sync = StepWatch(build_engine(tiny_model, device="cuda", overlap_steps=False)).run(requests())
+    engine = build_engine(tiny_model, device="cuda")
+    overlapped = StepWatch(engine).run(requests())
+    assert engine.core.num_continuations > 10
+    assert overlapped.tokens == sync.tokens
+    for rid, entries in sync.logprobs.items():
+        got = overlapped.logprobs[rid]
+        assert [e.top for e in got] == [e.top for e in entries]
