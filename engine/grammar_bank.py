@@ -16,6 +16,7 @@ import torch
 from engine.core.errors import InvalidParam
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import StructuredOutput
+from engine.transfers import to_device
 
 # JSON is generated compact (", " and ": " between items, no other whitespace): a model free
 # to put whitespace between any two tokens can fill max_tokens with it, and often does.
@@ -72,6 +73,8 @@ class GrammarBank:
         for token in output_token_ids:
             if not matcher.accept_token(token):
                 raise InvalidParam("resume", "resume: the output so far breaks the grammar")
+        if matcher.is_terminated():
+            raise InvalidParam("resume", "resume: the output so far already ends the grammar")
         self._matchers[request_id] = matcher
         if spec.kind in ("json", "json_object"):
             self._json_rows.add(request_id)
@@ -91,7 +94,16 @@ class GrammarBank:
     def mask(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
         """Disallowed tokens of every grammar row of `logits` ([len(requests), vocab],
         contiguous) to -inf: one batched fill of their bitmask rows, one application."""
-        rows = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
+        # A matcher done with its document gets no mask: its request ends when the engine
+        # reads the step that finished it, and its row in a step already launched is dropped.
+        live = {
+            r.request_id
+            for r in requests
+            if (m := self._matchers.get(r.request_id)) is not None and not m.is_terminated()
+        }
+        rows = [i for i, r in enumerate(requests) if r.request_id in live]
+        if not rows:
+            return
         if self._bitmask.shape[0] < len(requests):
             self._bitmask = self._xgr.allocate_token_bitmask(len(requests), self.vocab_size)
         bitmask = self._bitmask[: len(requests)]
@@ -100,13 +112,16 @@ class GrammarBank:
         json_rows = [i for i in rows if requests[i].request_id in self._json_rows]
         if json_rows:
             bitmask[json_rows] &= self._no_control
+        # A pinned copy: the buffer is refilled by the next step while this copy may wait.
         self._xgr.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device, non_blocking=True), indices=rows
+            logits, to_device(bitmask, logits.device), indices=rows
         )
 
-    def accept(self, requests: list[ScheduledRequest], tokens: list[int]) -> None:
-        for req, token in zip(requests, tokens, strict=True):
-            matcher = self._matchers.get(req.request_id)
+    def accept(self, request_ids: list[str], tokens: list[int]) -> None:
+        """The tokens a step sampled, once they are on the host (when the engine collects
+        the step: the next step's masks need them, the previous step's outputs must not)."""
+        for rid, token in zip(request_ids, tokens, strict=True):
+            matcher = self._matchers.get(rid)
             if matcher is not None and not matcher.is_terminated():
                 matcher.accept_token(token)
 

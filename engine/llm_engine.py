@@ -131,7 +131,8 @@ class LLMEngine:
         if resume is not None:
             done = resume.output_token_ids
             bad = next((t for t in done if not 0 <= t < vocab), None)
-            if bad is not None or len(done) >= params.max_tokens:
+            ended = bool(done) and done[-1] in request.stop_token_ids
+            if bad is not None or len(done) >= params.max_tokens or ended:
                 raise InvalidParam("resume", "resume: not the output of an unfinished request")
             request.resume_from(resume)
         return request

@@ -51,7 +51,10 @@ class Sampler:
         """`sample`, and the log-probabilities of the requests that ask for them: of the raw
         logits (before biases, penalties, temperature and filters), as vLLM reports them."""
         tokens, logprobs = self.draw(logits, requests)
-        return tokens.tolist(), logprobs.by_request() if logprobs is not None else {}
+        ids = tokens.tolist()
+        if self.grammars is not None:
+            self.grammars.accept([r.request_id for r in requests], ids)
+        return ids, logprobs.by_request() if logprobs is not None else {}
 
     def draw(
         self,
@@ -60,9 +63,10 @@ class Sampler:
         previous: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """The sampled token ids as a tensor on the logits' device, and the log-probabilities
-        of the requests that ask, on their way to the host. Waits for the device only for
-        grammar rows (their matchers take the tokens now). `previous`: per row, on the
-        device, the token sampled by the step before where the host does not know it yet
+        of the requests that ask, on their way to the host; never waits for the device.
+        Grammar rows are masked by their matchers' state; the tokens go to the matchers
+        (GrammarBank.accept) once they are on the host. `previous`: per row, on the device,
+        the token sampled by the step before where the host does not know it yet
         (UNKNOWN_TOKEN ends the row's `seen_token_ids`)."""
         device = logits.device
         asking = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
@@ -75,8 +79,7 @@ class Sampler:
             rows, ids = zip(*banned, strict=True)
             logits[to_device(rows, device), to_device(ids, device)] = float("-inf")
         grammars = self.grammars
-        constrained = grammars is not None and grammars.holds(requests)
-        if constrained:
+        if grammars is not None and grammars.holds(requests):
             logits = logits.contiguous()
             grammars.mask(logits, requests)
         tokens = argmax_last_dim(logits)
@@ -85,8 +88,6 @@ class Sampler:
             rows = to_device(random_rows, device)
             drawn = self.sample_random(logits[rows], [requests[i] for i in random_rows])
             tokens = tokens.index_copy(0, rows, drawn.to(tokens.dtype))
-        if constrained:
-            grammars.accept(requests, tokens.tolist())
         if not asking:
             return tokens, None
         return tokens, SampledLogprobs(raw, tokens[at], [requests[i] for i in asking])

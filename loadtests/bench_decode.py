@@ -4,6 +4,7 @@ and the sampler alone on a batch of logits.
 
     python -m loadtests.bench_decode --model small --batch 64 [--json]
     python -m loadtests.bench_decode --model <8B dir> --device cuda --dtype bfloat16 --batch 256
+    python -m loadtests.bench_decode --frequency-penalty 0.5 --logprobs 2  # rows of every kind
 
 Each variant is a fresh engine on the same requests; greedy variants must produce the same
 tokens. All figures come from the same run (compare ratios on noisy machines).
@@ -57,7 +58,12 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
         **settings,
     )
     engine = LLMEngine(config)
-    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    sampling = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "frequency_penalty": args.frequency_penalty,
+        "logprobs": args.logprobs,
+    }
     for i, prompt in enumerate(prompts):
         # The first token comes with the prefill; then warm-up steps, then the measured ones.
         params = SamplingParams(max_tokens=1 + total_steps, ignore_eos=True, seed=i, **sampling)
@@ -131,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--logprobs", type=int, default=None, help="top logprobs per token")
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
@@ -154,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "frequency_penalty": args.frequency_penalty,
+        "logprobs": args.logprobs,
     }
     runs = {
         name: run_variant(model_dir, args, s, prompts) for name, s in variants(args.device).items()

@@ -31,16 +31,17 @@ def build_engine(
     attention_backend: str = "auto",
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
-    deferred_steps: bool = False,
+    deferred_steps: bool | str = False,
     overlap_steps: bool = True,
     enforce_eager: bool = False,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields.
-    `deferred_steps`: steps compute when collected, as a GPU's (tests/engine/deferred_runner)."""
+    `deferred_steps`: steps stay in flight until collected, as a GPU's: True computes them
+    then, "at_launch" at launch (tests/engine/deferred_runner.py)."""
     from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from tests.engine.deferred_runner import DeferredRunner
+    from tests.engine.deferred_runner import DeferredRunner, InFlightRunner
 
     config = EngineConfig(
         model=model,
@@ -58,7 +59,9 @@ def build_engine(
         overlap_steps=overlap_steps,
         enforce_eager=enforce_eager,
     )
-    return LLMEngine(config, runner=DeferredRunner(config) if deferred_steps else None)
+    runners = {True: DeferredRunner, "at_launch": InFlightRunner}
+    runner = runners[deferred_steps](config) if deferred_steps else None
+    return LLMEngine(config, runner=runner)
 
 
 # One local Ray + Serve for the whole session, shared by tests/serve and tests/chaos.

@@ -169,8 +169,8 @@ class EngineConfig:
         "Keep the device busy while the host works: step N-1's tokens are detokenized and "
         "returned while the device runs step N, and where the scheduler can tell step N+1 "
         "before N's tokens are in, N+1 is launched before N is collected. Only a CUDA device "
-        "runs steps asynchronously (on the CPU a step is done when launched); steps with "
-        "grammar rows run to their end first.",
+        "runs steps asynchronously (on the CPU a step is done when launched); a step after "
+        "one with grammar rows waits for its tokens (the grammar's next mask needs them).",
     )
     num_threads: int | None = knob(
         None,

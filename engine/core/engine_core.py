@@ -52,11 +52,8 @@ class InFlight:
 
     @property
     def may_overlap(self) -> bool:
-        """Whether the host may go on while it runs: not for grammar rows, whose matchers
-        took the step's tokens at launch (the previous step's outputs must not see them)."""
-        return not self.pending.ready and not any(
-            s.sampling_params.structured is not None for s in self.scheduled.scheduled
-        )
+        """Whether the host may go on while it runs (it is not done yet)."""
+        return not self.pending.ready
 
 
 class EngineCore:

@@ -9,12 +9,16 @@ the CPU the step is done by the time it is launched.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.outputs import ModelRunnerOutput
 from engine.logprobs import PromptLogprobs, SampledLogprobs
 from engine.transfers import to_host
+
+if TYPE_CHECKING:
+    from engine.grammar_bank import GrammarBank
 
 
 class DeviceClock:
@@ -50,7 +54,8 @@ class DeviceClock:
 
 class LaunchedStep:
     """A step's sampled tokens (`tokens`, on the step's device, one per `request_ids`) and
-    log-probabilities, all copied to the host behind its kernels."""
+    log-probabilities, all copied to the host behind its kernels. When collected, the tokens
+    go to the grammar matchers of the step's structured rows (`grammars`, where it has any)."""
 
     def __init__(
         self,
@@ -58,6 +63,7 @@ class LaunchedStep:
         tokens: torch.Tensor,
         clock: DeviceClock,
         started: torch.cuda.Event | float,
+        grammars: GrammarBank | None = None,
         logprobs: SampledLogprobs | None = None,
         prompt_logprobs: PromptLogprobs | None = None,
     ) -> None:
@@ -66,11 +72,14 @@ class LaunchedStep:
         self._clock, self._started = clock, started
         self._end = clock.stop(started)
         self.ready = self._end is None
+        self._grammars = grammars
         self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
 
     def result(self) -> ModelRunnerOutput:
         self._clock.settle(self._started, self._end)
         ids = self._host.tolist()
+        if self._grammars is not None:
+            self._grammars.accept(self.request_ids, ids)
         logprobs, prompt = self._logprobs, self._prompt_logprobs
         return ModelRunnerOutput(
             dict(zip(self.request_ids, ids, strict=True)),

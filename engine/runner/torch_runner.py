@@ -210,7 +210,11 @@ class TorchModelRunner:
         tokens, logprobs = self.sampler.draw(logits, sampled, previous)
         ids = [r.request_id for r in sampled]
         self._last_sampled = (ids, tokens)
-        return LaunchedStep(ids, tokens, self.device_clock, started, logprobs, prompt_logprobs)
+        grammars = self.sampler.grammars
+        if grammars is not None and not grammars.holds(sampled):
+            grammars = None
+        clock = self.device_clock
+        return LaunchedStep(ids, tokens, clock, started, grammars, logprobs, prompt_logprobs)
 
     def _known_inputs(
         self, order: list[ScheduledRequest]

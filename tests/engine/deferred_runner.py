@@ -1,12 +1,15 @@
-"""The real runner with a GPU's timing: a launched step computes only when the engine
-collects it, so the engine's host work runs while the step is in flight, as on a GPU. The
-CPU tests of `engine.overlap_steps` run on it."""
+"""The real runner with a GPU's timing, for the CPU tests of `engine.overlap_steps`. A GPU's
+launch does the host's share of a step at once (inputs, sampling arguments, grammar masks)
+and the device's later; the engine reads the tokens when it collects the step. Two runners
+emulate each half: DeferredRunner computes a launched step only when it is collected (what
+the device has not done yet cannot be read), InFlightRunner computes it at launch but has
+the engine treat it as in flight until collected (the host's order of a GPU launch)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.outputs import ModelRunnerOutput, PendingStep, SchedulerOutput
 from engine.runner.torch_runner import TorchModelRunner
 
 
@@ -33,3 +36,23 @@ class DeferredRunner(TorchModelRunner):
     def launch(self, scheduler_output: SchedulerOutput) -> DeferredStep:
         self.num_launched += 1
         return DeferredStep(self, scheduler_output)
+
+
+class InFlightStep:
+    ready = False
+
+    def __init__(self, step: PendingStep) -> None:
+        self._step = step
+
+    def result(self) -> ModelRunnerOutput:
+        return self._step.result()
+
+
+class InFlightRunner(TorchModelRunner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_launched = 0
+
+    def launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+        self.num_launched += 1
+        return InFlightStep(super().launch(scheduler_output))

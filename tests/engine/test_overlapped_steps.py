@@ -55,6 +55,10 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert not engine._tracked
 
 
+# Steps in flight computed when collected, or at launch (tests/engine/deferred_runner.py).
+computed_when = pytest.mark.parametrize("computed", [True, "at_launch"], ids=["collect", "launch"])
+
+
 def greedy(n: int, **more) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **more)
 
@@ -93,10 +97,13 @@ def stop_string_requests(tiny_model) -> dict[str, tuple[str, SamplingParams]]:
     return requests
 
 
-def test_a_stop_string_found_while_the_next_step_runs_ends_the_request_the_same(tiny_model):
+@computed_when
+def test_a_stop_string_found_while_the_next_step_runs_ends_the_request_the_same(
+    tiny_model, computed
+):
     requests = stop_string_requests(tiny_model)
     sync = StepWatch(build_engine(tiny_model)).run(requests)
-    overlapped = StepWatch(build_engine(tiny_model, deferred_steps=True))
+    overlapped = StepWatch(build_engine(tiny_model, deferred_steps=computed))
     overlapped.run(requests)
     assert overlapped.num_in_flight > 5
     assert set(sync.finish.values()) == {"stop"}
@@ -105,7 +112,10 @@ def test_a_stop_string_found_while_the_next_step_runs_ends_the_request_the_same(
     assert overlapped.tokens == sync.tokens
 
 
-def test_stop_tokens_and_min_tokens_end_requests_the_same_with_steps_launched_ahead(tiny_model):
+@computed_when
+def test_stop_tokens_and_min_tokens_end_requests_the_same_with_steps_launched_ahead(
+    tiny_model, computed
+):
     prompts = {f"t{i}": f"tokens {i} then" for i in range(6)}
     plain = StepWatch(build_engine(tiny_model)).run(
         {rid: (p, greedy(24)) for rid, p in prompts.items()}
@@ -118,15 +128,16 @@ def test_stop_tokens_and_min_tokens_end_requests_the_same_with_steps_launched_ah
         )
         requests[rid] = (prompt, params)
     sync = StepWatch(build_engine(tiny_model)).run(requests)
-    engine = build_engine(tiny_model, deferred_steps=True)
+    engine = build_engine(tiny_model, deferred_steps=computed)
     overlapped = StepWatch(engine).run(requests)
     assert engine.core.num_continuations > 3
     assert "stop" in sync.finish.values()
     assert overlapped.tokens == sync.tokens and overlapped.finish == sync.finish
 
 
-def test_a_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_model):
-    engine = build_engine(tiny_model, deferred_steps=True)
+@computed_when
+def test_a_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_model, computed):
+    engine = build_engine(tiny_model, deferred_steps=computed)
     watch = StepWatch(engine)
     for rid in "abc":
         engine.add_request(rid, f"request {rid}", greedy(20))
@@ -146,7 +157,8 @@ def test_a_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_mo
     assert watch.tokens["a"] == alone.tokens["a"]
 
 
-def test_seeded_draws_penalties_and_logprobs_are_unchanged_by_overlap(tiny_model):
+@computed_when
+def test_seeded_draws_penalties_and_logprobs_are_unchanged_by_overlap(tiny_model, computed):
     def requests() -> dict[str, tuple[str, SamplingParams]]:
         return {
             f"r{i}": (
@@ -165,7 +177,7 @@ def test_seeded_draws_penalties_and_logprobs_are_unchanged_by_overlap(tiny_model
         }
 
     sync = StepWatch(build_engine(tiny_model)).run(requests())
-    engine = build_engine(tiny_model, deferred_steps=True)
+    engine = build_engine(tiny_model, deferred_steps=computed)
     overlapped = StepWatch(engine).run(requests())
     assert overlapped.num_in_flight > 5 and engine.core.num_continuations > 5
     assert overlapped.tokens == sync.tokens
@@ -175,7 +187,8 @@ def test_seeded_draws_penalties_and_logprobs_are_unchanged_by_overlap(tiny_model
         assert [e.logprob for e in got] == pytest.approx([e.logprob for e in entries])
 
 
-def test_penalties_count_the_token_of_the_step_still_in_flight(tiny_model):
+@computed_when
+def test_penalties_count_the_token_of_the_step_still_in_flight(tiny_model, computed):
     """Greedy rows under strong penalties: steps launched ahead take the token of the step
     before (on the device only) into their counts, so every choice equals the plain loop's."""
 
@@ -193,7 +206,7 @@ def test_penalties_count_the_token_of_the_step_still_in_flight(tiny_model):
         }
 
     sync = StepWatch(build_engine(tiny_model, overlap_steps=False)).run(requests())
-    engine = build_engine(tiny_model, deferred_steps=True)
+    engine = build_engine(tiny_model, deferred_steps=computed)
     overlapped = StepWatch(engine).run(requests())
     assert engine.core.num_continuations > 10
     assert overlapped.tokens == sync.tokens
@@ -202,21 +215,39 @@ def test_penalties_count_the_token_of_the_step_still_in_flight(tiny_model):
     assert all(sync.tokens[rid] != plain.tokens[rid] for rid in plain.tokens)
 
 
-def test_steps_with_grammar_rows_finish_before_their_outputs_are_read(tiny_model):
-    def requests() -> dict[str, tuple[str, SamplingParams]]:
-        spec = StructuredOutput("regex", r"[a-f]{3}-\d{2,4}")
-        return {
-            "plain": ("plain words", greedy(24)),
-            "held": ("an id", SamplingParams(temperature=0.0, max_tokens=24, structured=spec)),
-        }
+def grammar_requests() -> dict[str, tuple[str, SamplingParams]]:
+    """Regex rows ending by a stop token, by the grammar alone (ignore_eos), or by length."""
 
-    sync = StepWatch(build_engine(tiny_model)).run(requests())
-    engine = build_engine(tiny_model, deferred_steps=True)
-    overlapped = StepWatch(engine).run(requests())
-    assert overlapped.text == sync.text and overlapped.finish == sync.finish
-    assert overlapped.finish["held"] == "stop"
-    # Steps after the grammar request ended stay in flight again.
-    assert 0 < overlapped.num_in_flight < engine.runner.num_launched
+    def held(pattern: str, temperature: float = 0.0, **more) -> SamplingParams:
+        spec = StructuredOutput("regex", pattern)
+        return SamplingParams(temperature=temperature, max_tokens=24, structured=spec, **more)
+
+    return {
+        "plain": ("plain words", greedy(24)),
+        "id": ("an id", held(r"[a-f]{3}-\d{2,4}")),
+        "short": ("a word", held(r"(yes|no)")),
+        # The scheduler goes on past a stop token here: the grammar ends the request.
+        "whole": ("a word", held(r"(yes|no)", ignore_eos=True)),
+        "sampled": ("a code", held(r"[A-Z]{2}\d{6}", temperature=1.0, seed=5)),
+    }
+
+
+@computed_when
+def test_grammar_rows_stay_in_flight_and_take_each_step_when_it_is_collected(tiny_model, computed):
+    """A step's tokens reach the grammar matchers when it is collected: the next step's masks
+    see them, the previous step's outputs (read while it runs) do not. A grammar that ends
+    its document ends the request while the next step is in flight (that row unmasked, its
+    token dropped)."""
+    sync = StepWatch(build_engine(tiny_model)).run(grammar_requests())
+    engine = build_engine(tiny_model, deferred_steps=computed)
+    overlapped = StepWatch(engine).run(grammar_requests())
+    assert overlapped.tokens == sync.tokens and overlapped.text == sync.text
+    assert overlapped.finish == sync.finish
+    assert overlapped.finish["id"] == overlapped.finish["short"] == "stop"
+    assert overlapped.finish["whole"] == "stop"
+    assert overlapped.text["short"] in ("yes", "no") and overlapped.text["whole"] in ("yes", "no")
+    # Every step but the last stayed in flight while the host read the one before.
+    assert overlapped.num_in_flight >= engine.runner.num_launched - 2
 
 
 def test_async_engine_streams_with_steps_in_flight(tiny_model):

@@ -92,7 +92,8 @@ def test_a_resumed_request_keeps_to_its_grammar(engine):
     spec = StructuredOutput("json", json.dumps({"type": "array", "items": {"type": "integer"}}))
     params = SamplingParams(temperature=0.0, max_tokens=300, structured=spec)
     (whole,) = engine.generate([[3, 4, 5]], params)
-    done = whole.token_ids[:5]
+    assert whole.finish_reason == "stop" and len(whole.token_ids) > 1
+    done = whole.token_ids[: len(whole.token_ids) // 2]
     text = engine.tokenizer.decode(done)
     request = engine.make_request("resumed", [3, 4, 5], params, resume=Resume(done, len(text)))
     engine.add_prepared(request)
@@ -103,6 +104,14 @@ def test_a_resumed_request_keeps_to_its_grammar(engine):
     bad = engine.make_request("bad", [3], params, resume=Resume([5, 5], 2))  # not JSON
     with pytest.raises(InvalidParam, match="resume"):
         engine.add_prepared(bad)
+    # An output that has ended already (its stop token, or its grammar's end) is refused:
+    # resuming it would sample past the end.
+    with pytest.raises(InvalidParam, match="resume"):
+        engine.make_request("ended", [3, 4, 5], params, resume=Resume(whole.token_ids, 0))
+    no_eos = SamplingParams(temperature=0.0, max_tokens=300, structured=spec, ignore_eos=True)
+    ended = engine.make_request("ended", [3, 4, 5], no_eos, resume=Resume(whole.token_ids, 0))
+    with pytest.raises(InvalidParam, match="resume: the output so far already ends"):
+        engine.add_prepared(ended)
     assert not engine.has_unfinished_requests()
 
 

@@ -25,14 +25,17 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 12 "$OUT/$name.log"
 }
 
-# The workload's figures: steady decode (overlap and graphs off/on, the sampler at batch 256),
-# then the whole workload against HF static and with each of overlap and graphs turned off.
+# The figures: steady decode (overlap and graphs off/on, the sampler at batch 256, rows with
+# penalties and logprobs), then the whole workload against HF static and with each of overlap
+# and graphs turned off.
 figures() {  # figures TAG MODEL HF_BATCH_SIZES
     local tag=$1 model=$2 hf=$3
     local common=(--model "$model" --device "$DEVICE" --dtype "$DTYPE" --json)
     step "$tag-decode64" 280 "$PY" -m loadtests.bench_decode "${common[@]}" --batch 64
     step "$tag-decode256" 280 "$PY" -m loadtests.bench_decode "${common[@]}" --batch 256 \
         --temperature 1.0 --top-p 0.9
+    step "$tag-decode64-penalized" 200 "$PY" -m loadtests.bench_decode "${common[@]}" \
+        --batch 64 --frequency-penalty 0.5 --logprobs 2
     step "$tag-engine" 400 "$PY" -m loadtests.bench_engine "${common[@]}" --repeat 2 \
         --hf-batch-sizes "$hf"
     for variant in --no-overlap --enforce-eager; do

@@ -10,7 +10,7 @@ from engine.core.sampling_params import SamplingParams
 from tests.conftest import build_engine
 from tests.engine.oracle import HFOracle
 from tests.engine.test_oracle import SCENARIOS, check_against_oracle, run_mix, scenario_engine
-from tests.engine.test_overlapped_steps import StepWatch, stop_string_requests
+from tests.engine.test_overlapped_steps import StepWatch, grammar_requests, stop_string_requests
 from tests.gpu.test_cuda_engine import mixed_requests
 
 pytestmark = [
@@ -98,3 +98,12 @@ def test_penalties_and_logprobs_are_the_same_with_steps_launched_ahead(tiny_mode
     for rid, entries in sync.logprobs.items():
         got = overlapped.logprobs[rid]
         assert [e.top for e in got] == [e.top for e in entries]
+
+
+def test_grammar_rows_stay_in_flight_with_the_same_outputs(tiny_model):
+    """Masks uploaded through pinned memory, matchers fed when a step is collected."""
+    sync = StepWatch(build_engine(tiny_model, device="cuda", overlap_steps=False))
+    sync.run(grammar_requests())
+    overlapped = StepWatch(build_engine(tiny_model, device="cuda")).run(grammar_requests())
+    assert overlapped.num_in_flight > 5
+    assert overlapped.tokens == sync.tokens and overlapped.finish == sync.finish

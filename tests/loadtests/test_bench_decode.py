@@ -23,5 +23,7 @@ def test_bench_decode_reports_idle_fraction_tok_s_and_the_sampler(tiny_model, ca
 
 def test_seeded_sampling_is_the_same_with_and_without_overlap(tiny_model, capsys):
     argv = ["--model", tiny_model, "--batch", "6", "--prompt-len", "16", "--steps", "5"]
-    result = bench_decode.main([*argv, "--temperature", "1.0", "--top-p", "0.9", "--json"])
+    argv += ["--temperature", "1.0", "--top-p", "0.9", "--frequency-penalty", "0.5"]
+    result = bench_decode.main([*argv, "--logprobs", "2", "--json"])
     assert result["outputs_identical"] is True
+    assert result["frequency_penalty"] == 0.5 and result["logprobs"] == 2
