@@ -28,16 +28,6 @@ class DeferredStep:
         return TorchModelRunner.launch(self._runner, self._scheduled).result()
 
 
-class DeferredRunner(TorchModelRunner):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.num_launched = 0
-
-    def launch(self, scheduler_output: SchedulerOutput) -> DeferredStep:
-        self.num_launched += 1
-        return DeferredStep(self, scheduler_output)
-
-
 class InFlightStep:
     ready = False
 
@@ -48,11 +38,22 @@ class InFlightStep:
         return self._step.result()
 
 
-class InFlightRunner(TorchModelRunner):
+class DeferredRunner(TorchModelRunner):
+    """Steps computed when collected; `launch_now` computes them at launch instead (the
+    InFlightRunner below). Either way a step stays in flight until collected."""
+
+    launch_now = False
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.num_launched = 0
 
-    def launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         self.num_launched += 1
-        return InFlightStep(super().launch(scheduler_output))
+        if self.launch_now:
+            return InFlightStep(super().launch(scheduler_output))
+        return DeferredStep(self, scheduler_output)
+
+
+class InFlightRunner(DeferredRunner):
+    launch_now = True
