@@ -130,9 +130,8 @@ class LLMEngine:
         self.scheduler.check_request(request)
         if resume is not None:
             done = resume.output_token_ids
-            bad = next((t for t in done if not 0 <= t < vocab), None)
-            ended = bool(done) and done[-1] in request.stop_token_ids
-            if bad is not None or len(done) >= params.max_tokens or ended:
+            ended = request.stop_token_ids.intersection(done[-1:])  # its last token ends it
+            if len(done) >= params.max_tokens or ended or any(not 0 <= t < vocab for t in done):
                 raise InvalidParam("resume", "resume: not the output of an unfinished request")
             request.resume_from(resume)
         return request
