@@ -1,6 +1,6 @@
 """Fit the cost model's constants to the real torch engine on this machine.
 
-    python -m loadtests.calibrate [--model small] [--num-requests 40] [--out FILE.json]
+    python -m loadtests.calibrate [--model small] [--num-requests 40] [--repeats 5] [--out F.json]
 
 Runs the real engine on a seeded offline trace, times every step (the whole `engine.step()`,
 so scheduling and detokenization land in the fitted overheads), then fits
@@ -136,7 +136,11 @@ def predict_wall(
     return Simulator(config).run(trace).duration_s
 
 
-def calibrate(model_dir: str, num_requests: int, threads: int | None, seed: int = 0) -> dict:
+def calibrate(
+    model_dir: str, num_requests: int, threads: int | None, seed: int = 0, repeats: int = 5
+) -> dict:
+    """`repeats`: runs of each trace, each step timed by its fastest run (more of them make
+    the fit steadier on a busy host)."""
     from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
     kv_bytes = 512 << 20
@@ -152,7 +156,7 @@ def calibrate(model_dir: str, num_requests: int, threads: int | None, seed: int 
     lengths = dict(prompt=LengthDist("uniform", 16, 400), output=LengthDist("uniform", 8, 160))
     fit_trace = make_workload(num_requests, arrival="offline", seed=seed, **lengths)
     check_trace = make_workload(num_requests, arrival="offline", seed=seed + 1, **lengths)
-    runs, num_blocks = run_real(engine_config, [fit_trace, check_trace])
+    runs, num_blocks = run_real(engine_config, [fit_trace, check_trace], repeats)
     (outputs, times), (_, check_times) = runs
     params, fit_err = fit(samples_of(outputs, times, model, device))
     measured = sum(check_times)
@@ -173,9 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="small", help="tiny | small | a checkpoint dir")
     parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each trace")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     opts = parser.parse_args(argv)
-    result = calibrate(resolve_model(opts.model), opts.num_requests, opts.threads)
+    result = calibrate(
+        resolve_model(opts.model), opts.num_requests, opts.threads, repeats=opts.repeats
+    )
     text = json.dumps(result, indent=2)
     if opts.out:
         Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
