@@ -2,9 +2,9 @@
 
 Greedy rows reduce with one argmax. Random rows are sampled batched, each by inverse CDF
 with one counter-based uniform (engine/draws.py): a request's n-th token depends only on its
-logits, its parameters and (seed, n), never on the rest of the batch. Rows without top-k,
-top-p or min-p sample in vocabulary order; rows with them sort once and sample among the
-tokens their filters keep. Only the token ids cross to the host.
+logits, its parameters and (seed, n), never on the rest of the batch: among the tokens
+its filters keep, in vocabulary order (engine/token_draw.py; on CUDA one kernel for all the
+random rows, without a sort). Only the token ids cross to the host.
 
 Penalties and logit biases adjust the rows that ask for them first, batched (one index_put
 per kind over the step's token lists); a step in which no request uses them pays nothing.
@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import token_draw
 from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 from engine.cpu.decoder_ops import argmax_last_dim
 from engine.draws import uniforms
 from engine.logprobs import SampledLogprobs
@@ -98,18 +100,14 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         seeds = to_device([self._seed(r) for r in requests], device)
         counters = to_device([r.num_output_tokens for r in requests], device)
-        temperature = to_device([p.temperature for p in params], device)
-        scaled = logits.float() / temperature[:, None]
-        u = uniforms(seeds, counters)
-        has_filter = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
-        filtered = [i for i, f in enumerate(has_filter) if f]
-        plain = [i for i, f in enumerate(has_filter) if not f]
-        out = torch.empty(len(requests), dtype=torch.int64, device=device)
-        for group, draw in ((plain, _draw_plain), (filtered, _draw_filtered)):
-            if group:
-                idx = to_device(group, device)
-                out[idx] = draw(scaled[idx], u[idx], [params[i] for i in group])
-        return out
+        return token_draw.draw(logits, params, uniforms(seeds, counters))
+
+    def warm_up(self, vocab: int, device: torch.device) -> None:
+        """One filtered draw on zero logits: the device's kernels (on CUDA, the draw's Triton
+        compile) are ready before the first request needs them."""
+        params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5, min_p=0.1, seed=0)
+        row = ScheduledRequest("warm-up", [0], 0, [], True, params, 0)
+        self.sample_random(torch.zeros(1, vocab, device=device), [row])
 
     def _seed(self, req: ScheduledRequest) -> int:
         seed = req.sampling_params.seed
@@ -196,36 +194,3 @@ def _penalize(
     rows = torch.where(seen_mask, torch.where(rows > 0, rows / rep, rows * rep), rows)
     rows -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)
     sub[which] = rows
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first column whose running sum exceeds u x the row's total: never a zero-mass one."""
-    cdf = probs.cumsum(-1)
-    target = (u * cdf[:, -1])[:, None]
-    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return picked.clamp_(max=probs.shape[-1] - 1)
-
-
-def _draw_plain(scaled: torch.Tensor, u: torch.Tensor, params) -> torch.Tensor:
-    return _inverse_cdf(scaled.softmax(-1), u)
-
-
-def _draw_filtered(scaled: torch.Tensor, u: torch.Tensor, params) -> torch.Tensor:
-    """top-k, then top-p over what top-k kept, and min-p (a ratio to the most likely token,
-    which no filter changes)."""
-    device, vocab = scaled.device, scaled.shape[-1]
-    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
-    top_p = to_device([p.top_p for p in params], device)
-    min_p = to_device([p.min_p for p in params], device)
-    # Stable: tied logits keep vocabulary order whatever the batch.
-    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=device)[None, :]
-    ordered = ordered.masked_fill(rank >= top_k[:, None], float("-inf"))
-    probs = ordered.softmax(-1)
-    # Drop a token when the tokens ranked above it already cover top_p (the first stays).
-    drop = probs.cumsum(-1) - probs >= top_p[:, None]
-    drop |= probs < min_p[:, None] * probs[:, :1]
-    # The most likely token always stays (a top_p below float32's range reads as 0).
-    drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
-    return order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]

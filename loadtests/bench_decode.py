@@ -1,6 +1,7 @@
 """Steady decode: a full batch of requests decoding, step after step. How busy the device is
 (idle fraction), tokens/s, with steps overlapped or not and (CUDA) decode graphs on or off;
-and the sampler alone on a batch of logits.
+and the sampler alone on a batch of logits (its draw by the CUDA kernel's search and by
+sort).
 
     python -m loadtests.bench_decode --model small --batch 64 [--json]
     python -m loadtests.bench_decode --model <8B dir> --device cuda --dtype bfloat16 --batch 256
@@ -27,6 +28,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import read_spec
 from engine.sampler import Sampler
+from engine.token_draw import draw_by_search, draw_by_sort
 from loadtests.workload import resolve_model
 
 
@@ -103,8 +105,24 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
     }
 
 
-def time_sampler(args, vocab_size: int) -> float:
-    """Median ms of one step's sampling: `--batch` rows at the given temperature / top_p."""
+def _median_ms(fn, device: str, repeats: int) -> float:
+    """Median ms of `fn()` over `repeats` calls after 3 warm-up calls, waiting for the device."""
+    times = []
+    for i in range(repeats + 3):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def time_sampler(args, vocab_size: int) -> dict:
+    """Median ms of one step's sampling: `--batch` rows at temperature 1.0 / top_p 0.9; and of
+    the draw alone, by the CUDA kernel's search and by the sort that defines it."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     sampler = Sampler(0)
@@ -115,17 +133,23 @@ def time_sampler(args, vocab_size: int) -> float:
     ]
     generator = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.batch, vocab_size, generator=generator, device=device, dtype=dtype)
-    times = []
-    for i in range(args.sampler_repeats + 3):
-        work = logits.clone()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        tokens, _ = sampler.draw(work, rows)
-        tokens.tolist()
-        if i >= 3:  # the first calls warm up
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    repeats = args.sampler_repeats
+    figures = {
+        "sampler_ms_t1_top_p0.9": _median_ms(
+            lambda: sampler.draw(logits, rows)[0].tolist(), args.device, repeats
+        )
+    }
+    u = torch.rand(args.batch, generator=generator, device=device)
+    params_list = [params] * args.batch
+    figures["draw_sort_ms"] = _median_ms(
+        lambda: draw_by_sort(logits, params_list, u), args.device, repeats
+    )
+    if args.device == "cuda":
+        figures["draw_search_ms"] = _median_ms(
+            lambda: draw_by_search(logits, params_list, u), args.device, repeats
+        )
+        figures["draw_search_vs_sort"] = figures["draw_sort_ms"] / figures["draw_search_ms"]
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -177,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in runs:
         if name != base:
             result[f"{name}_vs_{base}"] = runs[name]["tok_s"] / runs[base]["tok_s"]
-    result["sampler_ms_t1_top_p0.9"] = time_sampler(args, vocab_size)
+    result.update(time_sampler(args, vocab_size))
     if args.json:
         print(json.dumps(result))
     else:

@@ -122,6 +122,8 @@ class TorchModelRunner:
                 for _ in range(spec.num_layers)
             ]
         self.sampler = Sampler(config.seed)
+        if self.device.type == "cuda":
+            self.sampler.warm_up(spec.vocab_size, self.device)
         # The device's time on steps (forward and sampling): its idle share, for benchmarks.
         self.device_clock = DeviceClock(self.device)
         # The last step's sampled tokens, on the device, by request id: the input of a step

@@ -18,7 +18,7 @@ def test_bench_decode_reports_idle_fraction_tok_s_and_the_sampler(tiny_model, ca
         assert result[f"{name}_step_ms"] > 0
     assert result["overlap_vs_sync"] > 0
     assert result["sync_launched_ahead_frac"] == 0  # nothing is launched ahead without overlap
-    assert result["sampler_ms_t1_top_p0.9"] > 0
+    assert result["sampler_ms_t1_top_p0.9"] > 0 and result["draw_sort_ms"] > 0
 
 
 def test_seeded_sampling_is_the_same_with_and_without_overlap(tiny_model, capsys):
