@@ -45,6 +45,13 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _key_value(key):
+    """The float32 whose ordered key is `key` (int64 within the int32 range)."""
+    bits = key.to(tl.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _bucket_weights(
     row_ptr, vocab, temperature, lo, hi, row_max, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -129,13 +136,11 @@ def _draw(
         floor = _search(
             row_ptr, vocab, temperature, floor, top_k.to(tl.float32), row_max, True, BLOCK
         )
-    key = floor.to(tl.int32)
-    threshold = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    threshold = _key_value(floor)
     if top_p < 1.0:  # over what top-k keeps
         target = top_p * _kept_mass(row_ptr, vocab, temperature, threshold, row_max, BLOCK)
         floor = _search(row_ptr, vocab, temperature, floor, target, row_max, False, BLOCK)
-        key = floor.to(tl.int32)
-        threshold = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        threshold = _key_value(floor)
     if min_p > 0.0:  # probability at least min_p x the top token's: x >= max + log(min_p)
         threshold = tl.maximum(threshold, row_max + tl.log(min_p))
     tl.store(threshold_ptr + row, threshold)
