@@ -34,6 +34,7 @@ def build_engine(
     deferred_steps: bool | str = False,
     overlap_steps: bool = True,
     enforce_eager: bool = False,
+    quantization: str | None = None,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields.
@@ -58,6 +59,7 @@ def build_engine(
         scheduler=SchedulerConfig(**scheduler),
         overlap_steps=overlap_steps,
         enforce_eager=enforce_eager,
+        quantization=quantization,
     )
     runners = {True: DeferredRunner, "at_launch": InFlightRunner}
     runner = runners[deferred_steps](config) if deferred_steps else None

@@ -18,6 +18,7 @@ BatchingMode = Literal["continuous", "static"]
 PreemptionMode = Literal["recompute", "swap"]
 Dtype = Literal["float32", "float16", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton", "flashinfer"]
+OnlineQuantization = Literal["fp8"]
 
 
 def knob(default: Any, doc: str) -> Any:
@@ -158,6 +159,13 @@ class EngineConfig:
         "installed, else triton; CPU: cpu for float32, else torch). The choice and its reason "
         "are logged and exported as the dynabatch:attention_backend_info metric.",
     )
+    quantization: OnlineQuantization | None = knob(
+        None,
+        "fp8: quantize a float16/bfloat16/float32 checkpoint's linear weights to FP8 (e4m3, "
+        "one scale per output channel) while loading. Null: weights as the checkpoint has "
+        "them; quantized checkpoints (compressed-tensors FP8, fp8 with weight_block_size, AWQ, "
+        "GPTQ) are recognised from their quantization_config without this.",
+    )
     seed: int = knob(0, "Seed of the engine's default sampling generator.")
     enforce_eager: bool = knob(
         False,
@@ -200,6 +208,7 @@ class EngineConfig:
             " or ".join(get_args(AttentionBackendName)),
             self.attention_backend,
         )
+        _check(self.quantization in (None, "fp8"), "quantization", "fp8 or null", self.quantization)
         _check(
             self.num_threads is None or self.num_threads >= 1,
             "num_threads",

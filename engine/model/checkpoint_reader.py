@@ -26,6 +26,12 @@ _DTYPES = {
     "BF16": torch.bfloat16,
     "I64": torch.int64,
     "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
 }
 
 
@@ -75,6 +81,18 @@ class CheckpointReader:
         self._file = None
         self._path: Path | None = None
         self.bytes_read = 0
+
+    def read(self, name: str, piece: SliceOf | None = None) -> torch.Tensor:
+        """A new host tensor of checkpoint tensor `name` (or of its slice `piece`, which must
+        lie inside it), in the checkpoint's dtype."""
+        entry = self.entries[name]
+        shape = list(entry.shape)
+        if piece is not None:
+            shape[piece.dim] = piece.length
+        out = torch.empty(shape, dtype=entry.dtype)
+        ranges, _ = self._plan(entry, out, piece)
+        self._read(entry, ranges, out.reshape(-1).view(torch.uint8))
+        return out
 
     def copy_into(self, name: str, dest: torch.Tensor, piece: SliceOf | None = None) -> None:
         entry = self.entries[name]

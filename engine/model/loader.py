@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.quant.scheme import QuantScheme, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -34,6 +36,7 @@ class DecoderSpec:
     attention_bias: bool  # Qwen2: bias on q, k and v
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
     sliding_window: int | None
+    quantization: QuantScheme | None = None  # the checkpoint's quantized format
 
 
 def resolve_max_model_len(value: int | str, spec: DecoderSpec) -> int:
@@ -68,14 +71,7 @@ def read_spec(model: str) -> DecoderSpec:
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     quantization = cfg.get("quantization_config")
-    if quantization:
-        method = (
-            quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else ""
-        )
-        raise ValueError(
-            f"model: {model!r} is a quantized checkpoint (quantization_config, quant_method "
-            f"{method!r}); dynabatch loads unquantized float16/bfloat16/float32 weights only"
-        )
+    scheme = parse_quantization_config(quantization) if quantization else None
     num_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -97,6 +93,7 @@ def read_spec(model: str) -> DecoderSpec:
         attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
         qk_norm=family == "qwen3",
         sliding_window=_sliding_window(cfg, family),
+        quantization=scheme,
     )
 
 

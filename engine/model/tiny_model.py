@@ -72,6 +72,9 @@ SIZES = {
     "tiny-hd64": ModelSize(128, 2, 2, 1, 256, 4096, 2048, 0.1),
     # Heads, KV heads and MLP columns that 2 and 4 tensor-parallel ranks divide.
     "tiny-wide": ModelSize(128, 2, 8, 4, 256, 4096, 2048, 0.1),
+    # Rows and columns that 128x128 FP8 blocks and INT4 groups of 128 tile, also split over 2
+    # tensor-parallel ranks: the quantized-checkpoint tests.
+    "tiny-quant": ModelSize(256, 2, 4, 4, 512, 4096, 2048, 0.05),
     # ~100.7M parameters: the standard benchmark model (see ../shared/DESIGN.md).
     "small": ModelSize(768, 12, 12, 4, 2048, 16384, 4096, 0.05),
 }

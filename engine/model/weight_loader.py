@@ -9,15 +9,20 @@ staging buffer of the largest tensor otherwise.
 
 from __future__ import annotations
 
+import traceback
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.errors import InvalidParam
 from engine.model.checkpoint_reader import CheckpointReader, read_index
 from engine.model.decoder import Decoder
 from engine.model.loader import DecoderSpec, check_model_dir
 from engine.model.rope import RotaryEmbedding
-from engine.model.sharding import SliceOf, checkpoint_slices, shard_spec
+from engine.model.sharding import Shard, SliceOf, checkpoint_slices, shard_spec
+from engine.quant.linear import QuantizedLinear
+from engine.quant.loading import LINEARS, load_quantized, quantize_modules
+from engine.quant.scheme import QuantScheme, online_fp8
 
 if TYPE_CHECKING:
     from engine.runner.tensor_parallel import TensorParallel
@@ -31,10 +36,13 @@ def load_decoder(
     native_ops: bool = True,
     max_positions: int | None = None,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> Decoder:
     """The checkpoint's decoder on `device` in `dtype`, in eval mode; with `tp`, this rank's
     shard of it, reading only its slices of the checkpoint (`loaded_bytes` says how much was
-    read). Raises ValueError naming a weight that is missing or misshaped."""
+    read). A quantized checkpoint's linear layers (or, with `quantization="fp8"`, a float
+    checkpoint's, quantized while loading) are QuantizedLinear. Raises ValueError naming a
+    weight that is missing or misshaped; nothing of a failed load stays referenced."""
     files = sorted(check_model_dir(model).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {model!r}")
@@ -44,9 +52,15 @@ def load_decoder(
     if tp is not None:
         spec = shard_spec(full_spec, tp.shard.world_size)
         slices = checkpoint_slices(full_spec, tp.shard)
+    scheme = _scheme(full_spec, quantization)
     with torch.device("meta"):
         decoder = Decoder(spec, positions, native_ops, tp)
-    decoder = decoder.to(dtype).to_empty(device=device)
+    decoder = decoder.to(dtype)
+    quantized = {}
+    if scheme is not None:
+        shard = tp.shard if tp is not None else Shard(0, 1)
+        quantized = quantize_modules(decoder, full_spec, scheme, shard)
+    decoder = decoder.to_empty(device=device)
     if spec.tie_word_embeddings:  # materialising gave the two modules separate tensors
         decoder.lm_head.weight = decoder.embed_tokens.weight
     # Computed tables, not weights: built again off the meta device.
@@ -54,39 +68,69 @@ def load_decoder(
     decoder.rope = rope.to(device=device, dtype=dtype)
     targets = checkpoint_targets(decoder, spec)
     reader = CheckpointReader(read_index(files), device)
-    missing = sorted(set(targets) - set(reader.entries))
-    if missing:
-        raise ValueError(f"model: checkpoint has no weight {missing[0]!r}")
     try:
+        missing = sorted(set(targets) - set(reader.entries))
+        if missing:
+            raise ValueError(f"model: checkpoint has no weight {missing[0]!r}")
         with torch.no_grad():
             for name, dest in targets.items():
                 reader.copy_into(name, dest, slices.get(name))
+            if scheme is not None:
+                load_quantized(reader, quantized, scheme, _max_over_ranks(tp))
+    except BaseException as exc:
+        # The traceback keeps its frames' locals (the half-loaded layers) as long as the error
+        # lives: drop this frame's and clear the finished frames below it.
+        decoder = quantized = targets = None
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         reader.close()
     decoder.loaded_bytes = reader.bytes_read
     return decoder.eval()
 
 
+def _scheme(spec: DecoderSpec, quantization: str | None) -> QuantScheme | None:
+    if quantization is None:
+        return spec.quantization
+    if spec.quantization is not None:
+        raise InvalidParam(
+            "quantization",
+            f"quantization: {quantization!r} quantizes a float checkpoint while loading, but "
+            f"this checkpoint is already quantized ({spec.quantization.method}); leave it null",
+        )
+    return online_fp8()
+
+
+def _max_over_ranks(tp: TensorParallel | None):
+    if tp is None or not hasattr(tp, "all_reduce"):  # loaded alone (tests read one shard)
+        return None
+    return lambda t: tp.all_reduce(t, torch.distributed.ReduceOp.MAX)
+
+
 def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.Tensor]:
-    """HF weight name -> the tensor (or row slice of a fused tensor) it is read into."""
+    """HF weight name -> the tensor (or row slice of a fused tensor) it is read into.
+    Quantized layers' weights are not listed (engine/quant/loading.py reads them); their
+    biases are."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     inter = spec.intermediate_size
+    sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (inter, inter)}
     targets: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(decoder.layers):
         src = f"model.layers.{i}."
+        for module, (parts, _) in LINEARS.items():
+            linear = layer.get_submodule(module)
+            kinds = ["bias"] if linear.bias is not None else []
+            if not isinstance(linear, QuantizedLinear):
+                kinds.append("weight")
+            for kind in kinds:
+                fused = getattr(linear, kind).data
+                rows = _row_slices(*sizes.get(module, (len(fused),)))
+                for part, part_rows in zip(parts, rows, strict=True):
+                    targets[f"{src}{part}.{kind}"] = fused[part_rows]
         attn = layer.self_attn
-        for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
-            fused = getattr(attn.qkv_proj, kind).data
-            for part, rows in zip("qkv", _row_slices(q, kv, kv), strict=True):
-                targets[f"{src}self_attn.{part}_proj.{kind}"] = fused[rows]
-        targets[f"{src}self_attn.o_proj.weight"] = attn.o_proj.weight.data
         if spec.qk_norm:
             targets[f"{src}self_attn.q_norm.weight"] = attn.q_norm.weight.data
             targets[f"{src}self_attn.k_norm.weight"] = attn.k_norm.weight.data
-        gate_up = layer.mlp.gate_up_proj.weight.data
-        for part, rows in zip(("gate", "up"), _row_slices(inter, inter), strict=True):
-            targets[f"{src}mlp.{part}_proj.weight"] = gate_up[rows]
-        targets[f"{src}mlp.down_proj.weight"] = layer.mlp.down_proj.weight.data
         for norm in ("input_layernorm", "post_attention_layernorm"):
             targets[f"{src}{norm}.weight"] = getattr(layer, norm).weight.data
     targets["model.embed_tokens.weight"] = decoder.embed_tokens.weight.data

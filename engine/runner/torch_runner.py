@@ -25,6 +25,7 @@ from engine.logprobs import PromptLogprobs
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
+from engine.quant.linear import use_kernels
 from engine.runner.continued_inputs import awaited_inputs, known_inputs, previous_tokens
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.engine_threads import set_engine_threads
@@ -83,8 +84,15 @@ class TorchModelRunner:
         # The native CPU ops are built and used only when the device is the CPU.
         native_ops = self.device.type == "cpu"
         self.model = load_decoder(
-            config.model, full_spec, self.device, self.dtype, native_ops, tp=self.tp
+            config.model,
+            full_spec,
+            self.device,
+            self.dtype,
+            native_ops,
+            tp=self.tp,
+            quantization=config.quantization,
         )
+        use_kernels(self.model, fast=self.device.type == "cuda")
         self.model.pack_weights()
         self.block_size = config.cache.block_size
         self._num_blocks = self._size_cache(config.cache, config.scheduler)

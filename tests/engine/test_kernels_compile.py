@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from engine.attention import triton_kernels
+from engine.quant.dequant_gemm_kernel import _dequant_gemm
 from engine.token_draw_kernel import _draw
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -43,7 +44,7 @@ def test_every_gpu_kernel_compiles_for_sm90():
         timeout=600,
     )
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.split() == ["compiled"] * 10
+    assert child.stdout.split() == ["compiled"] * 13
 
 
 def compile_the_draw_kernel(logits: str) -> None:
@@ -82,7 +83,21 @@ def compile_the_attention_kernels(dtype: str, head_dim: int, group: int, rows: i
     _compile(triton_kernels._write_kv, write, {"ROW": row, "BLOCK": row})
 
 
+def compile_the_dequant_gemm(dtype: str, int4: bool, block_m: int) -> None:
+    signature = {"x_ptr": f"*{dtype}", "w_ptr": "*i32" if int4 else "*u8", "scale_ptr": "*fp32"}
+    signature |= {"zero_ptr": "*u8" if int4 else "*fp32", "group_ptr": "*i32" if int4 else "*fp32"}
+    signature["y_ptr"] = f"*{dtype}"
+    for name in ("M", "N", "K", "stride_xm", "stride_ym", "num_groups", "scale_cols"):
+        signature[name] = "i32"
+    constexprs = {"INT4": int4, "SCALE_ROWS": 1 if int4 else 128, "SCALE_COLS": 1 if int4 else 128}
+    constexprs |= {"IEEE": dtype == "fp32", "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
+    _compile(_dequant_gemm, signature, constexprs)
+
+
 if __name__ == "__main__":
+    compile_the_dequant_gemm("bf16", True, 16)
+    compile_the_dequant_gemm("bf16", False, 64)
+    compile_the_dequant_gemm("fp32", True, 32)
     for logits in ("bf16", "fp32"):
         compile_the_draw_kernel(logits)
     for config in [("bf16", 128, 4, 16), ("bf16", 128, 4, 64), ("fp16", 64, 1, 64)]:

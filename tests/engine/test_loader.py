@@ -59,13 +59,6 @@ def test_weights_land_in_their_fused_slices_in_the_target_dtype(dtype):
     assert not any(b.is_meta for b in decoder.buffers())
 
 
-def test_a_quantized_checkpoint_is_refused_naming_it(tmp_path):
-    quantized = {"quantization_config": {"quant_method": "awq", "bits": 4}}
-    model_dir = _copy_checkpoint(tiny_model_dir(), tmp_path / "awq", config=quantized)
-    with pytest.raises(ValueError, match="quantization_config.*'awq'"):
-        read_spec(model_dir)
-
-
 def test_a_missing_or_misshaped_weight_is_named(tmp_path):
     src = tiny_model_dir()
     weights = _weights(src)

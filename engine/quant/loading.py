@@ -1,0 +1,286 @@
+"""Quantized linear layers in a decoder: which modules they replace, and how each checkpoint
+format's tensors (or one tensor-parallel rank's slices of them) fill their layout
+(engine/quant/linear.py).
+
+A fused layer (qkv, gate_up) is filled part by part: each part's rows are read, converted to
+our layout on the host and copied into its rows of the fused layer. Column-parallel layers
+(qkv, gate_up) split output rows across ranks, row-parallel ones (o_proj, down) input columns;
+a split never cuts a quantization group or FP8 block (else InvalidParam naming
+tensor_parallel_size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from engine.core.errors import InvalidParam
+from engine.model.checkpoint_reader import CheckpointReader
+from engine.model.loader import DecoderSpec
+from engine.model.sharding import Shard, SliceOf
+from engine.quant.fp8 import FP8, quantize_rows
+from engine.quant.linear import QuantizedLinear
+from engine.quant.packing import AWQ_ORDER, pack_columns, unpack_columns, unpack_rows
+from engine.quant.scheme import QuantScheme
+
+# decoder submodule -> (its checkpoint parts, column-parallel)
+LINEARS = {
+    "self_attn.qkv_proj": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True),
+    "self_attn.o_proj": (("self_attn.o_proj",), False),
+    "mlp.gate_up_proj": (("mlp.gate_proj", "mlp.up_proj"), True),
+    "mlp.down_proj": (("mlp.down_proj",), False),
+}
+
+
+@dataclass(frozen=True)
+class LinearPart:
+    """One checkpoint linear layer (or this rank's share of it) inside a decoder layer."""
+
+    name: str  # HF module name, e.g. "model.layers.0.self_attn.q_proj"
+    rows: slice  # its rows in the (fused) destination layer
+    n: int  # the checkpoint's output rows
+    k: int  # the checkpoint's input columns
+    column: bool
+    shard: Shard
+
+    def local(self, size: int, split: bool) -> tuple[int, int]:
+        """(start, length) of this rank's share of `size` entries, when `split`."""
+        if not split:
+            return 0, size
+        length = size // self.shard.world_size
+        return self.shard.rank * length, length
+
+
+def _part_sizes(spec: DecoderSpec, module: str) -> tuple[list[int], int]:
+    """(output rows of each checkpoint part, input columns) in the full model."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    inter, hidden = spec.intermediate_size, spec.hidden_size
+    return {
+        "self_attn.qkv_proj": ([q, kv, kv], hidden),
+        "self_attn.o_proj": ([hidden], q),
+        "mlp.gate_up_proj": ([inter, inter], hidden),
+        "mlp.down_proj": ([hidden], inter),
+    }[module]
+
+
+def quantize_modules(
+    decoder: nn.Module, full: DecoderSpec, scheme: QuantScheme, shard: Shard
+) -> dict[QuantizedLinear, list[LinearPart]]:
+    """Replace the decoder's quantized linear layers (on the meta device, after its dtype is
+    set) with QuantizedLinear; return each one's checkpoint parts."""
+    dtype = decoder.norm.weight.dtype
+    layers: dict[QuantizedLinear, list[LinearPart]] = {}
+    for i in range(full.num_layers):
+        for module, (names, column) in LINEARS.items():
+            hf = [f"model.layers.{i}.{name}" for name in names]
+            kept = [scheme.quantizes(name) for name in hf]
+            if not any(kept):
+                continue
+            if not all(kept):
+                raise InvalidParam(
+                    "quantization_config.ignore",
+                    f"model: {hf} are fused in one layer, but only some are quantized",
+                )
+            sizes, k = _part_sizes(full, module)
+            parts, start = [], 0
+            for name, n in zip(hf, sizes, strict=True):
+                part = LinearPart(name, slice(0), n, k, column, shard)
+                local = part.local(n, column)[1]
+                parts.append(LinearPart(name, slice(start, start + local), n, k, column, shard))
+                start += local
+            k_local = parts[0].local(k, not column)[1]
+            old = decoder.layers[i].get_submodule(module)
+            groups = _num_groups(scheme, parts[0])
+            with torch.device("meta"):
+                new = QuantizedLinear(k_local, start, old.bias is not None, scheme, dtype, groups)
+            decoder.layers[i].set_submodule(module, new)
+            layers[new] = parts
+            _check_split(scheme, parts)
+    decoder.feature_major_max_tokens = 0  # the native feature-major GEMMs take float weights
+    return layers
+
+
+def _group(scheme: QuantScheme, k: int) -> int:
+    return scheme.group_size or k
+
+
+def _num_groups(scheme: QuantScheme, part: LinearPart) -> int:
+    if scheme.layout != "int4":
+        return 1
+    group = _group(scheme, part.k)
+    if part.column or part.shard.world_size == 1 or scheme.desc_act:
+        return -(-part.k // group)
+    return part.local(part.k, True)[1] // group
+
+
+def _check_split(scheme: QuantScheme, parts: list[LinearPart]) -> None:
+    """A tensor-parallel split (and the fusing of parts) must not cut a group or a block."""
+    world = parts[0].shard.world_size
+    for part in parts:
+        if part.column:
+            unit = {"int4": 8, "fp8_block": scheme.block[0], "fp8": 1}[scheme.layout]
+            size, what = part.n // world, "output rows"
+            cuts = size % unit and (world > 1 or len(parts) > 1)
+        else:
+            unit = {"int4": _group(scheme, part.k), "fp8_block": scheme.block[1], "fp8": 1}
+            unit = unit[scheme.layout]
+            if scheme.layout == "int4" and scheme.desc_act:
+                unit = 8
+            size, what = part.k // world, "input columns"
+            cuts = world > 1 and size % unit
+        if cuts:
+            raise InvalidParam(
+                "tensor_parallel_size",
+                f"model: {part.name} has {size} {what} per rank at tensor_parallel_size "
+                f"{world}, not a multiple of its quantization unit ({unit}); "
+                "quantization groups and blocks are never split across ranks",
+            )
+
+
+def load_quantized(
+    reader: CheckpointReader,
+    layers: dict[QuantizedLinear, list[LinearPart]],
+    scheme: QuantScheme,
+    max_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Fill every quantized layer from the checkpoint (biases are plain targets).
+    `max_over_ranks` (online FP8 under tensor parallelism) takes the elementwise max of a
+    tensor over the ranks, so a row split across ranks gets the scale of the whole row."""
+    fill = {"fp8": _fill_fp8, "fp8_block": _fill_fp8_block, "int4": _fill_int4}[scheme.layout]
+    if scheme.method == "online-fp8":
+        fill = partial(_fill_online_fp8, max_over_ranks=max_over_ranks)
+    for layer, parts in layers.items():
+        for part in parts:
+            fill(reader, layer, part, scheme)
+
+
+def _read(
+    reader: CheckpointReader,
+    name: str,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    piece: SliceOf | None,
+) -> torch.Tensor:
+    entry = reader.entries.get(name)
+    if entry is None:
+        raise ValueError(f"model: checkpoint has no weight {name!r}")
+    if entry.shape != shape:
+        raise ValueError(f"model: weight {name} has shape {entry.shape}, expected {shape}")
+    if entry.dtype not in dtypes:
+        raise ValueError(
+            f"model: weight {name} has dtype {entry.dtype}, expected one of {list(dtypes)}"
+        )
+    return reader.read(name, piece)
+
+
+def _split(part: LinearPart, dim: int, size: int, unit: int = 1) -> SliceOf | None:
+    """This rank's slice of dimension `dim` (`size` entries of `unit` rows or columns each)
+    of a checkpoint tensor, or None when it reads the whole."""
+    if part.shard.world_size == 1:
+        return None
+    start, length = part.local(size, True)
+    return SliceOf(dim, start // unit, length // unit, size // unit)
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fp8_weight(reader: CheckpointReader, part: LinearPart) -> torch.Tensor:
+    piece = _split(part, 0 if part.column else 1, part.n if part.column else part.k)
+    return _read(reader, part.name + ".weight", (part.n, part.k), (FP8,), piece)
+
+
+def _fill_fp8(
+    reader: CheckpointReader, layer: QuantizedLinear, part: LinearPart, scheme: QuantScheme
+) -> None:
+    weight = _fp8_weight(reader, part)
+    name = f"{part.name}.{scheme.scale_name}"
+    entry = reader.entries.get(name)
+    if entry is None:
+        raise ValueError(f"model: checkpoint has no weight {name!r}")
+    per_row = entry.shape not in ((), (1,), (1, 1))
+    shape = (part.n, 1) if per_row and len(entry.shape) == 2 else (part.n,)
+    piece = _split(part, 0, part.n) if per_row and part.column else None
+    scale = _read(reader, name, shape if per_row else entry.shape, _FLOATS, piece)
+    rows = weight.shape[0]
+    layer.weight[part.rows].copy_(weight)
+    layer.weight_scale[part.rows].copy_(scale.float().reshape(-1).expand(rows))
+
+
+def _fill_fp8_block(
+    reader: CheckpointReader, layer: QuantizedLinear, part: LinearPart, scheme: QuantScheme
+) -> None:
+    weight = _fp8_weight(reader, part)
+    bn, bk = scheme.block
+    shape = (-(-part.n // bn), -(-part.k // bk))
+    piece = _split(part, 0, part.n, bn) if part.column else _split(part, 1, part.k, bk)
+    scale = _read(reader, f"{part.name}.{scheme.scale_name}", shape, _FLOATS, piece)
+    layer.weight[part.rows].copy_(weight)
+    first = part.rows.start // bn
+    layer.weight_scale[first : first + scale.shape[0]].copy_(scale.float())
+
+
+def _fill_online_fp8(
+    reader: CheckpointReader,
+    layer: QuantizedLinear,
+    part: LinearPart,
+    scheme: QuantScheme,
+    max_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> None:
+    piece = _split(part, 0 if part.column else 1, part.n if part.column else part.k)
+    weight = _read(reader, part.name + ".weight", (part.n, part.k), _FLOATS, piece)
+    # Quantized where the layer lives: one part in float at a time, on top of FP8 weights.
+    weight = weight.to(layer.weight.device)
+    amax = weight.float().abs().amax(dim=1)
+    if piece is not None and not part.column and max_over_ranks is not None:
+        amax = max_over_ranks(amax)  # the same scales as one rank's whole rows
+    q, scale = quantize_rows(weight, amax)
+    layer.weight[part.rows].copy_(q)
+    layer.weight_scale[part.rows].copy_(scale)
+
+
+def _fill_int4(
+    reader: CheckpointReader, layer: QuantizedLinear, part: LinearPart, scheme: QuantScheme
+) -> None:
+    n, k, name = part.n, part.k, part.name
+    group = _group(scheme, k)
+    groups = -(-k // group)
+    # Group-dimension slices: row-parallel shards take their groups, unless act-order groups
+    # are scattered over every rank's columns.
+    whole_groups = part.column or scheme.desc_act
+    g_piece = None if whole_groups else _split(part, 0, k, group)
+    i32 = (torch.int32,)
+    if scheme.packing == "awq":
+        w_piece = _split(part, 1, n, 8) if part.column else _split(part, 0, k)
+        qweight = _read(reader, name + ".qweight", (k, n // 8), i32, w_piece)
+        q = unpack_columns(qweight, AWQ_ORDER)  # [k, n]
+        zero_order = AWQ_ORDER
+    else:
+        w_piece = _split(part, 1, n) if part.column else _split(part, 0, k, 8)
+        qweight = _read(reader, name + ".qweight", (k // 8, n), i32, w_piece)
+        q = unpack_rows(qweight)
+        zero_order = None
+    n_piece = _split(part, 1, n) if part.column else None
+    z_piece = _split(part, 1, n, 8) if part.column else g_piece
+    s_piece = n_piece if part.column else g_piece
+    scales = _read(reader, name + ".scales", (groups, n), _FLOATS, s_piece)
+    qzeros = _read(reader, name + ".qzeros", (groups, n // 8), i32, z_piece)
+    zeros = unpack_columns(qzeros, zero_order or tuple(range(8)))
+    zeros = (zeros.to(torch.int32) + scheme.zero_offset) & 0xF
+    k_local = q.shape[0]
+    if scheme.desc_act:
+        g_piece_k = None if part.column else _split(part, 0, k)
+        g_idx = _read(reader, name + ".g_idx", (k,), i32, g_piece_k)
+    else:
+        g_idx = torch.arange(k_local, dtype=torch.int32) // group
+    layer.qweight[part.rows].copy_(pack_columns(q.t().contiguous()))
+    layer.scales[part.rows].copy_(scales.t().float())
+    layer.zeros[part.rows].copy_(zeros.t().to(torch.uint8))
+    if part.rows.start == 0:
+        layer.g_idx.copy_(g_idx)
+    elif not torch.equal(layer.g_idx.cpu(), g_idx):
+        raise ValueError(f"model: {name}.g_idx differs from the g_idx of the layers fused with it")
