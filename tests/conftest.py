@@ -35,6 +35,8 @@ def build_engine(
     overlap_steps: bool = True,
     enforce_eager: bool = False,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    calculate_kv_scales: bool = False,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields.
@@ -55,6 +57,8 @@ def build_engine(
             num_blocks=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
             num_host_blocks=num_host_blocks,
+            kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         ),
         scheduler=SchedulerConfig(**scheduler),
         overlap_steps=overlap_steps,

@@ -71,6 +71,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: FlashInferMetadata,
         scale: float,
+        kv_scales: object = None,  # FP8 caches are not run here (supports_fp8_kv)
     ) -> torch.Tensor:
         m = metadata
         write_kv(k, v, k_cache, v_cache, m.slot_mapping)

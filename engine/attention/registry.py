@@ -32,6 +32,7 @@ class AttentionShape:
     dtype: str
     head_dim: int
     block_size: int
+    kv_cache_dtype: str | None = None  # the knob's value; None: the model's dtype
 
 
 def get_attention_backend(name: str, shape: AttentionShape) -> tuple[AttentionBackend, str]:
@@ -76,6 +77,11 @@ def _cannot_run(name: str, shape: AttentionShape) -> tuple[str, str] | None:
     """(field, why) when backend `name` cannot run `shape` here; None when it can."""
     if name == "torch":
         return None
+    if shape.kv_cache_dtype not in (None, "auto") and name in ("cpu", "flashinfer"):
+        return "kv_cache_dtype", (
+            f"reads {shape.dtype} caches only, not {shape.kv_cache_dtype} (triton and torch "
+            "read FP8 caches)"
+        )
     if name == "cpu":
         if shape.device != "cpu":
             return "device", f"runs on the CPU only, not on {shape.device!r}"

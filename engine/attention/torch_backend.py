@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention.base import AttentionBackend, BatchLayout, write_kv
+from engine.attention.base import (
+    FP8_KV,
+    AttentionBackend,
+    BatchLayout,
+    KVScales,
+    dequantize_kv,
+    stored,
+    write_kv,
+)
 
 
 @dataclass
@@ -34,6 +42,8 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[_Prefill]
     sliding_window: int | None = None
+    # An FP8 cache's blocks read this step and the metadata over them (`_compact`).
+    fp8_compact: tuple[torch.Tensor, TorchAttentionMetadata] | None = None
 
 
 # cuDNN's SDPA builds an execution plan per new shape, and a serving batch has a new shape
@@ -51,6 +61,7 @@ class TorchAttentionBackend(AttentionBackend):
     call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
 
     name = "torch"
+    supports_fp8_kv = True
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -101,8 +112,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_scales)
+        if k_cache.dtype == FP8_KV:  # attend to what the cache holds, fresh tokens too
+            assert kv_scales is not None
+            return self._fp8_forward(q, k, v, k_cache, v_cache, metadata, scale, kv_scales)
         out = torch.empty_like(q)
         if metadata.num_decodes:
             self.decode(q, k_cache, v_cache, metadata, scale, out)
@@ -181,3 +196,52 @@ class TorchAttentionBackend(AttentionBackend):
                     enable_gqa=True,
                 )
             out[p.start : p.end] = oi[0].transpose(0, 1)
+
+    def _fp8_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+        kv_scales: KVScales,
+    ) -> torch.Tensor:
+        """`forward` over an FP8 cache: the blocks the step reads are dequantized into a
+        compact float cache (the rest is never touched), and the step's own k/v go through
+        the cache's rounding, so outputs do not depend on how a prompt was chunked."""
+        if metadata.fp8_compact is None:
+            metadata.fp8_compact = _compact(metadata)
+        used, compact = metadata.fp8_compact
+        slots = metadata.slot_mapping
+        k_bytes, v_bytes = stored(k_cache), stored(v_cache)
+
+        def read(cache: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return dequantize_kv(cache[index].view(FP8_KV), scale, q.dtype)
+
+        k_rows, v_rows = (c.view(-1, *c.shape[2:]) for c in (k_bytes, v_bytes))
+        k, v = read(k_rows, slots, kv_scales[0]), read(v_rows, slots, kv_scales[1])
+        k_used, v_used = read(k_bytes, used, kv_scales[0]), read(v_bytes, used, kv_scales[1])
+        out = torch.empty_like(q)
+        if compact.num_decodes:
+            self.decode(q, k_used, v_used, compact, scale, out)
+        self.prefill(q, k, v, k_used, v_used, compact, scale, out)
+        return out
+
+
+def _compact(m: TorchAttentionMetadata) -> tuple[torch.Tensor, TorchAttentionMetadata]:
+    """The cache blocks a step reads, and the step's metadata with its block ids pointing
+    into a cache of those blocks alone (in that order)."""
+    tables = [m.decode_block_table.reshape(-1)]
+    tables += [p.block_ids for p in m.prefills if p.block_ids is not None]
+    used = torch.unique(torch.cat(tables))
+    remap = torch.zeros(int(used.max()) + 1 if used.numel() else 1, dtype=torch.long)
+    remap = remap.to(used.device)
+    remap[used] = torch.arange(len(used), device=used.device)
+    prefills = [
+        replace(p, block_ids=None if p.block_ids is None else remap[p.block_ids], mask=None)
+        for p in m.prefills
+    ]
+    table = remap[m.decode_block_table]
+    return used, replace(m, decode_block_table=table, decode_mask=None, prefills=prefills)

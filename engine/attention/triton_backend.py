@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, BatchLayout
+from engine.attention.base import FP8_KV, AttentionBackend, BatchLayout, KVScales
+from engine.attention.base import write_kv as write_quantized_kv
 
 
 @dataclass
@@ -23,6 +24,7 @@ class TritonAttentionMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_fp8_kv = True
 
     def __init__(self) -> None:
         # Imported here: triton is needed only by whoever picks this backend.
@@ -66,9 +68,15 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         m = metadata
-        self._kernels.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        if k_cache.dtype == FP8_KV:
+            # Quantized by torch ops: Triton's interpreter rounds float32 -> e4m3 wrongly at
+            # binade boundaries, and the write is a small part of a layer's work.
+            write_quantized_kv(k, v, k_cache, v_cache, m.slot_mapping, kv_scales)
+        else:
+            self._kernels.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -83,5 +91,6 @@ class TritonAttentionBackend(AttentionBackend):
             m.max_query_len,
             scale,
             m.sliding_window,
+            kv_scales,
         )
         return out

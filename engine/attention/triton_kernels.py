@@ -23,8 +23,10 @@ _LOG2_E = 1.4426950408889634
 @triton.jit
 def _paged_attention(
     q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [num_blocks, block_size, HKV, D]
+    k_cache_ptr,  # [num_blocks, block_size, HKV, D]; an FP8 cache as its bytes
     v_cache_ptr,
+    k_scale_ptr,  # FP8: the caches' scales (0-d float32)
+    v_scale_ptr,
     out_ptr,  # [T, H, D]
     block_table_ptr,  # [B, max_blocks]
     query_start_ptr,  # [B + 1]
@@ -48,6 +50,7 @@ def _paged_attention(
     GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps float32 exact (no TF32) on GPUs
     DOT_FLOAT32: tl.constexpr,  # upcast the dots' operands (see `_dot_in_float32`)
+    FP8: tl.constexpr,  # the caches hold float8 e4m3 bytes, x its scale
 ):
     # One program: TOKENS query tokens x the GROUP query heads that share one kv head, as
     # the rows of one tile, so every K/V tile is read once for the whole group.
@@ -79,6 +82,11 @@ def _paged_attention(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     # Keys from the tile's first query's window to its last query: blocks before and after
     # are never read (causal; sliding window).
     first_pos = tl.maximum(context + tile * TOKENS - window + 1, 0)
@@ -97,8 +105,14 @@ def _paged_attention(
             + dims[None, :]
         )
         kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP8:
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+            k = (k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_scale).to(q.dtype)
+        else:
+            k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if DOT_FLOAT32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -184,10 +198,14 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal attention of every request's new queries over its cached keys (the new K/V
     already written), into `out`; with a sliding window, over the last `sliding_window`
-    positions only. q and out: [T, H, D] with unit stride over D."""
+    positions only. q and out: [T, H, D] with unit stride over D. An FP8 cache
+    (torch.float8_e4m3fn) is read times `kv_scales`."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_scale, v_scale = kv_scales if fp8 else (q, q)  # unread without FP8
     num_requests = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
@@ -199,8 +217,10 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     _paged_attention[grid](
         q,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
+        k_scale,
+        v_scale,
         out,
         block_table,
         query_start_loc,
@@ -224,6 +244,7 @@ def paged_attention(
         GROUP_P=group_p,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FLOAT32=_dot_in_float32(q.dtype),
+        FP8=fp8,
         # Prefill tiles of large heads hold a 64 x head_dim float32 accumulator: more warps
         # share it instead of spilling registers.
         num_warps=8 if rows * block_d >= 64 * 128 else 4,

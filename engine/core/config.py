@@ -19,6 +19,7 @@ PreemptionMode = Literal["recompute", "swap"]
 Dtype = Literal["float32", "float16", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton", "flashinfer"]
 OnlineQuantization = Literal["fp8"]
+KVCacheDtype = Literal["auto", "fp8_e4m3"]
 
 
 def knob(default: Any, doc: str) -> Any:
@@ -59,6 +60,19 @@ class CacheConfig:
     swap_space_bytes: int = knob(
         256 << 20, "swap: host memory for swapped-out KV blocks per replica."
     )
+    kv_cache_dtype: KVCacheDtype = knob(
+        "auto",
+        "auto: the KV cache holds the model's dtype. fp8_e4m3: one byte per value (twice the "
+        "blocks of a 16-bit cache in the same bytes), scaled per layer by the checkpoint's "
+        "k_scale/v_scale where it ships them, else by 1.0 (or calculate_kv_scales). Runs on "
+        "the triton and torch attention backends (auto picks them).",
+    )
+    calculate_kv_scales: bool = knob(
+        False,
+        "fp8_e4m3 without scales in the checkpoint: each layer's k and v scale is the "
+        "largest magnitude of the first served step's keys and values over 448 (e4m3's "
+        "largest), as vLLM's option does; false: 1.0.",
+    )
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", ">= 1", self.block_size)
@@ -68,6 +82,8 @@ class CacheConfig:
         fraction = self.gpu_memory_fraction
         _check(0.0 < fraction <= 1.0, "gpu_memory_fraction", "in (0, 1]", fraction)
         _check(self.swap_space_bytes >= 0, "swap_space_bytes", ">= 0", self.swap_space_bytes)
+        kv = self.kv_cache_dtype
+        _check(kv in get_args(KVCacheDtype), "kv_cache_dtype", "auto or fp8_e4m3", kv)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    supports_fp8_kv = False  # the native kernels read float32 caches
     # CPU steps run eagerly: no graph code runs there.
     supports_graphs = False
     decode_metadata = AttentionBackend.decode_metadata

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, KVScales, calculate_kv_scales
 from engine.cpu.decoder_ops import DecoderOps
 from engine.cpu.packed_weights import PackedLinear
+from engine.model.linear_layers import LINEARS
 from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
 
@@ -63,6 +64,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
+        # An FP8 KV cache's scales (engine/model/weight_loader.py sets them); with
+        # `calculate_kv_scales`, the next step with tokens sets them from its keys and values.
+        self.kv_scales: KVScales | None = None
+        self.calculate_kv_scales = False
 
     def forward(
         self,
@@ -111,7 +116,13 @@ class Attention(nn.Module):
         # q and k rotated together: one pass over both instead of two.
         qk = rotate(qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        if self.calculate_kv_scales and t:
+            assert self.kv_scales is not None
+            calculate_kv_scales(self.kv_scales, k, v)
+            self.calculate_kv_scales = False
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, kv_scales=self.kv_scales
+        )
         return out.reshape(t, self.q_size)
 
 
@@ -263,16 +274,7 @@ class Decoder(nn.Module):
 
     def _gemm_weight_names(self) -> list[str]:
         """The Linear layers only GEMMs read (a tied LM head is the embedding too)."""
-        names = [
-            f"layers.{i}.{sub}"
-            for i in range(len(self.layers))
-            for sub in (
-                "self_attn.qkv_proj",
-                "self_attn.o_proj",
-                "mlp.gate_up_proj",
-                "mlp.down_proj",
-            )
-        ]
+        names = [f"layers.{i}.{sub}" for i in range(len(self.layers)) for sub in LINEARS]
         return names if self.spec.tie_word_embeddings else [*names, "lm_head"]
 
     def pack_weights(self) -> None:

@@ -17,11 +17,13 @@ import torch
 from engine.core.errors import InvalidParam
 from engine.model.checkpoint_reader import CheckpointReader, read_index
 from engine.model.decoder import Decoder
+from engine.model.linear_layers import LINEARS
 from engine.model.loader import DecoderSpec, check_model_dir
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import Shard, SliceOf, checkpoint_slices, shard_spec
+from engine.quant.kv_scales import set_kv_scales
 from engine.quant.linear import QuantizedLinear
-from engine.quant.loading import LINEARS, load_quantized, quantize_modules
+from engine.quant.loading import load_quantized, quantize_modules
 from engine.quant.scheme import QuantScheme, online_fp8
 
 if TYPE_CHECKING:
@@ -37,12 +39,15 @@ def load_decoder(
     max_positions: int | None = None,
     tp: TensorParallel | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Decoder:
     """The checkpoint's decoder on `device` in `dtype`, in eval mode; with `tp`, this rank's
     shard of it, reading only its slices of the checkpoint (`loaded_bytes` says how much was
     read). A quantized checkpoint's linear layers (or, with `quantization="fp8"`, a float
     checkpoint's, quantized while loading) are QuantizedLinear. Raises ValueError naming a
-    weight that is missing or misshaped; nothing of a failed load stays referenced."""
+    weight that is missing or misshaped; nothing of a failed load stays referenced. With
+    `kv_cache_dtype` fp8_e4m3, each attention layer gets its FP8 cache scales (the
+    checkpoint's, else 1.0)."""
     files = sorted(check_model_dir(model).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {model!r}")
@@ -77,6 +82,8 @@ def load_decoder(
                 reader.copy_into(name, dest, slices.get(name))
             if scheme is not None:
                 load_quantized(reader, quantized, scheme, _max_over_ranks(tp))
+            if kv_cache_dtype == "fp8_e4m3":
+                set_kv_scales(decoder, reader, device)
     except BaseException as exc:
         # The traceback keeps its frames' locals (the half-loaded layers) as long as the error
         # lives: drop this frame's and clear the finished frames below it.

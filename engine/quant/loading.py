@@ -20,20 +20,13 @@ from torch import nn
 
 from engine.core.errors import InvalidParam
 from engine.model.checkpoint_reader import CheckpointReader
+from engine.model.linear_layers import LINEARS
 from engine.model.loader import DecoderSpec
 from engine.model.sharding import Shard, SliceOf
 from engine.quant.fp8 import FP8, quantize_rows
 from engine.quant.linear import QuantizedLinear
 from engine.quant.packing import AWQ_ORDER, pack_columns, unpack_columns, unpack_rows
 from engine.quant.scheme import QuantScheme
-
-# decoder submodule -> (its checkpoint parts, column-parallel)
-LINEARS = {
-    "self_attn.qkv_proj": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True),
-    "self_attn.o_proj": (("self_attn.o_proj",), False),
-    "mlp.gate_up_proj": (("mlp.gate_proj", "mlp.up_proj"), True),
-    "mlp.down_proj": (("mlp.down_proj",), False),
-}
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,17 @@ def kv_cache_budget(
     return max(min(budget, free), 0)
 
 
+def warn_if_short(cache_tokens: int, max_model_len: int) -> None:
+    if cache_tokens < max_model_len:
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than max_model_len (%d): longer requests "
+            "are refused; raise the cache (kv_cache_bytes, gpu_memory_fraction, or "
+            "kv_cache_dtype fp8_e4m3) or lower max_model_len",
+            cache_tokens,
+            max_model_len,
+        )
+
+
 def profile_step_bytes(
     runner: TorchModelRunner, scheduler: SchedulerConfig, max_model_len: int
 ) -> int:
@@ -78,7 +89,7 @@ def run_largest_step(
     num_blocks = sum(len(r.block_ids) for r in order)
     spec = runner.spec
     shape = (num_blocks, runner.block_size, spec.num_kv_heads, spec.head_dim)
-    k, v = (torch.empty(shape, dtype=runner.dtype, device=runner.device) for _ in range(2))
+    k, v = (torch.empty(shape, dtype=runner.kv_dtype, device=runner.device) for _ in range(2))
     scratch = [(k, v)] * spec.num_layers  # every layer writes the same scratch blocks
     input_ids, positions, layout, logits_indices = runner.prepare_inputs(order)
     metadata = runner.backend.prepare(layout)

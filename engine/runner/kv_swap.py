@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.base import stored
+
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) of every layer
 
 
@@ -22,6 +24,7 @@ def swap_blocks(
         src = torch.tensor([p[0] for p in pairs])
         dst = torch.tensor([p[1] for p in pairs])
         for (dev_k, dev_v), (host_k, host_v) in zip(device_caches, host_caches, strict=True):
+            dev_k, dev_v, host_k, host_v = map(stored, (dev_k, dev_v, host_k, host_v))
             if to_host:
                 host_k[dst] = dev_k[src.to(device)].to("cpu")
                 host_v[dst] = dev_v[src.to(device)].to("cpu")

@@ -19,18 +19,20 @@ from engine.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from engine.cpu.host_memory import keep_freed_memory_in_heap, zeros_on_huge_pages
+from engine.cpu.host_memory import keep_freed_memory_in_heap
 from engine.grammar_bank import GrammarBank
 from engine.logprobs import PromptLogprobs
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
+from engine.quant.kv_scales import measure_missing_kv_scales
 from engine.quant.linear import use_kernels
 from engine.runner.continued_inputs import awaited_inputs, known_inputs, previous_tokens
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.engine_threads import set_engine_threads
-from engine.runner.kv_budget import kv_cache_budget
+from engine.runner.kv_budget import kv_cache_budget, warn_if_short
 from engine.runner.kv_swap import swap_blocks
+from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.tensor_parallel import RankedStep, RankWorkers, TensorParallel
 from engine.sampler import Sampler
@@ -59,10 +61,15 @@ class TorchModelRunner:
             self.device = torch.device("cuda", shard.rank if shard else 0)
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.dtype)
         self._max_model_len = max_len
         # Chosen before the weights load: a backend that cannot run the model fails fast.
         shape = AttentionShape(
-            self.device.type, config.dtype, spec.head_dim, config.cache.block_size
+            self.device.type,
+            config.dtype,
+            spec.head_dim,
+            config.cache.block_size,
+            config.cache.kv_cache_dtype,
         )
         self.backend, self.backend_reason = get_attention_backend(config.attention_backend, shape)
         self.workers: RankWorkers | None = None
@@ -91,6 +98,7 @@ class TorchModelRunner:
             native_ops,
             tp=self.tp,
             quantization=config.quantization,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         use_kernels(self.model, fast=self.device.type == "cuda")
         self.model.pack_weights()
@@ -98,20 +106,12 @@ class TorchModelRunner:
         self._num_blocks = self._size_cache(config.cache, config.scheduler)
         if self.tp is not None:  # every rank holds each block's share of the heads
             self._num_blocks = self.tp.min(self._num_blocks)
-        if self._num_blocks * self.block_size < max_len:
-            logger.warning(
-                "the KV cache holds %d tokens, fewer than max_model_len (%d): longer requests "
-                "are refused; raise the cache (kv_cache_bytes, gpu_memory_fraction) or lower "
-                "max_model_len",
-                self._num_blocks * self.block_size,
-                max_len,
-            )
+        warn_if_short(self._num_blocks * self.block_size, max_len)
         # One block more than the KV manager hands out: the scratch block, where padding rows
         # of graph-replayed decode steps write.
         self.scratch_block = self._num_blocks
         shape = (self._num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
-        # Swap preemption: the same layout in host memory (pinned when the cache is on a GPU).
+        self.kv_caches = device_caches(shape, self.kv_dtype, self.device, spec.num_layers)
         self._num_host_blocks = 0
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if config.scheduler.preemption_mode == "swap":
@@ -122,13 +122,7 @@ class TorchModelRunner:
                 self._num_host_blocks = self.tp.min(self._num_host_blocks)
             host_shape = (self._num_host_blocks, *shape[1:])
             pin = self.device.type == "cuda"
-            self.host_caches = [
-                (
-                    torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
-                    torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
-                )
-                for _ in range(spec.num_layers)
-            ]
+            self.host_caches = host_caches(host_shape, self.kv_dtype, spec.num_layers, pin)
         self.sampler = Sampler(config.seed)
         if self.device.type == "cuda":
             self.sampler.warm_up(spec.vocab_size, self.device)
@@ -141,11 +135,8 @@ class TorchModelRunner:
         graphable = self.backend.supports_graphs and world == 1
         if self.device.type == "cuda" and graphable and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.scheduler.max_num_seqs, max_len)
-
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return zeros_on_huge_pages(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if config.cache.calculate_kv_scales:  # from the first real step, not dummy ones
+            measure_missing_kv_scales(self.model)
 
     # ------------------------------------------------------------------ ModelRunner API
     def num_kv_blocks(self) -> int:
@@ -255,7 +246,7 @@ class TorchModelRunner:
     # ------------------------------------------------------------------------- helpers
     def bytes_per_block(self) -> int:
         s: DecoderSpec = self.spec
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
 
     def _size_cache(self, cache: CacheConfig, scheduler: SchedulerConfig) -> int:

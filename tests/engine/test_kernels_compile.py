@@ -44,7 +44,7 @@ def test_every_gpu_kernel_compiles_for_sm90():
         timeout=600,
     )
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.split() == ["compiled"] * 13
+    assert child.stdout.split() == ["compiled"] * 17
 
 
 def compile_the_draw_kernel(logits: str) -> None:
@@ -56,9 +56,12 @@ def compile_the_draw_kernel(logits: str) -> None:
     _compile(_draw, signature, {"BLOCK": 1024}, num_warps=8)
 
 
-def compile_the_attention_kernels(dtype: str, head_dim: int, group: int, rows: int) -> None:
-    pointers = ("q", "k_cache", "v_cache", "out")
-    signature = {f"{name}_ptr": f"*{dtype}" for name in pointers}
+def compile_the_attention_kernels(
+    dtype: str, head_dim: int, group: int, rows: int, fp8: bool = False
+) -> None:
+    cache = "u8" if fp8 else dtype
+    signature = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"}
+    signature |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "out_ptr": f"*{dtype}"}
     signature |= {"block_table_ptr": "*i32", "query_start_ptr": "*i32", "seq_len_ptr": "*i32"}
     signature |= {"qk_scale": "fp32", "window": "i32"}
     strides = ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "bt")
@@ -74,6 +77,7 @@ def compile_the_attention_kernels(dtype: str, head_dim: int, group: int, rows: i
         "GROUP_P": group_p,
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         "DOT_FLOAT32": dtype == "fp32",
+        "FP8": fp8,
     }
     num_warps = 8 if rows * head_dim >= 64 * 128 else 4  # as paged_attention launches it
     _compile(triton_kernels._paged_attention, signature, constexprs, num_warps)
@@ -103,3 +107,5 @@ if __name__ == "__main__":
     for config in [("bf16", 128, 4, 16), ("bf16", 128, 4, 64), ("fp16", 64, 1, 64)]:
         compile_the_attention_kernels(*config)
     compile_the_attention_kernels("fp32", 128, 8, 16)
+    compile_the_attention_kernels("bf16", 128, 4, 16, fp8=True)
+    compile_the_attention_kernels("bf16", 128, 4, 64, fp8=True)
