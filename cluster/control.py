@@ -81,6 +81,8 @@ class ReplicaStats:
     metrics: EngineMetricsSnapshot | None = None  # cumulative request metrics (/metrics)
     attention_kernels: str = ""  # the attention backend the engine runs (its registry's pick)
     attention_kernels_reason: str = ""  # why that one
+    # The GPU self-check's verdicts at start: (part, "pass" or "fallback", reason).
+    gpu_self_check: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def num_waiting(self) -> int:

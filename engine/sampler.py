@@ -36,6 +36,8 @@ class Sampler:
         self._seeds: dict[str, int] = {}  # unseeded requests: a seed drawn at first sight
         # Structured outputs' grammars, set by the engine once a request carries one.
         self.grammars: GrammarBank | None = None
+        # Draws the tokens of sampled rows (the GPU self-check may set the sorted draw).
+        self.draw_rows = token_draw.draw
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -100,7 +102,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         seeds = to_device([self._seed(r) for r in requests], device)
         counters = to_device([r.num_output_tokens for r in requests], device)
-        return token_draw.draw(logits, params, uniforms(seeds, counters))
+        return self.draw_rows(logits, params, uniforms(seeds, counters))
 
     def warm_up(self, vocab: int, device: torch.device) -> None:
         """One filtered draw on zero logits: the device's kernels (on CUDA, the draw's Triton

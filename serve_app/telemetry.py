@@ -153,6 +153,16 @@ class _EngineCollector:
                     [*labels, stats.attention_kernels, stats.attention_kernels_reason], 1.0
                 )
         yield info
+        checks = GaugeMetricFamily(
+            "dynabatch:gpu_self_check_info",
+            "Each GPU kernel part the start-up self-check ran, its result (pass, or fallback "
+            "to the torch reference) and the reason (always 1).",
+            labels=["model_name", "replica", "part", "result", "reason"],
+        )
+        for labels, stats, _ in rows:
+            for part, result, reason in stats.gpu_self_check:
+                checks.add_metric([*labels, part, result, reason], 1.0)
+        yield checks
         counters = {
             "num_preemptions": ("Preemptions.", lambda s: s.scheduler.num_preemptions_total),
             "prompt_tokens": (

@@ -196,6 +196,15 @@ class EngineConfig:
         "runs steps asynchronously (on the CPU a step is done when launched); a step after "
         "one with grammar rows waits for its tokens (the grammar's next mask needs them).",
     )
+    gpu_self_check: bool = knob(
+        True,
+        "Before the replica says ready, run each GPU kernel it will use (attention backend, "
+        "quantized GEMMs, the draw kernel, a captured decode graph) once on a small random "
+        "input and compare it with the torch reference; one that fails or disagrees is "
+        "replaced by the reference for that part, logged, and exported as "
+        "dynabatch:gpu_self_check_info. Kernels already on their reference (the CPU's) are "
+        "not checked.",
+    )
     num_threads: int | None = knob(
         None,
         "torch intra-op threads of the engine (and of its CPU kernels). Null: on the CPU, "

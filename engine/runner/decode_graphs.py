@@ -77,6 +77,16 @@ class DecodeGraphs:
         self._graphs[size].replay()
         return runner.model.logits(self._outputs[size][: len(order)])
 
+    def replay_padding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final hidden states of a step of padding rows (position 0, K/V to the scratch
+        block) with these input ids, by replaying the graph of exactly their count; the
+        buffers keep the step for an eager run to compare with (the GPU self-check)."""
+        size = len(input_ids)
+        self.inputs.fill([], size, self.runner.block_size, self.runner.scratch_block)
+        self.inputs.input_ids[:size].copy_(input_ids)
+        self._graphs[size].replay()
+        return self._outputs[size].clone()
+
     def _forward(self, rows: DecodeInputs) -> torch.Tensor:
         r = self.runner
         return decode_forward(r.model, r.backend, rows, r.kv_caches, r.spec.sliding_window)

@@ -30,6 +30,7 @@ from engine.quant.linear import use_kernels
 from engine.runner.continued_inputs import awaited_inputs, known_inputs, previous_tokens
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.engine_threads import set_engine_threads
+from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels
 from engine.runner.kv_budget import kv_cache_budget, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
@@ -131,10 +132,14 @@ class TorchModelRunner:
         # The last step's sampled tokens, on the device, by request id: the input of a step
         # launched before that one is collected (engine/core/continuation.py).
         self._last_sampled: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
+        # Kernels checked before graphs capture them (engine/runner/gpu_self_check.py).
+        check = config.gpu_self_check
+        self.self_check: list[PartCheck] = check_kernels(self) if check else []
         self.graphs: DecodeGraphs | None = None
         graphable = self.backend.supports_graphs and world == 1
         if self.device.type == "cuda" and graphable and not config.enforce_eager:
             self.graphs = DecodeGraphs(self, config.scheduler.max_num_seqs, max_len)
+            self.self_check += check_graphs(self) if check else []
         if config.cache.calculate_kv_scales:  # from the first real step, not dummy ones
             measure_missing_kv_scales(self.model)
 

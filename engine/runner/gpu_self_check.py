@@ -1,0 +1,228 @@
+"""The GPU self-check (`engine.gpu_self_check`): before a replica says it is ready, each GPU
+kernel it will use runs once on a small random input on its device and is compared with the
+torch reference. A kernel that raises or disagrees is replaced by the reference for that
+part (the attention backend by `torch`, a quantized GEMM by dequantize-then-GEMM, the draw
+kernel by the sorted draw, decode graphs by eager steps), the reason is logged, and the
+replica serves on. Parts already on their reference are not checked.
+
+Parts: `attention`, `fp8_gemm`, `fp8_block_gemm`, `int4_gemm`, `token_draw` (checked before
+decode graphs are captured, so graphs capture what passed), then `decode_graph`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import token_draw
+from engine.attention.base import FP8_KV, BatchLayout
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.core.sampling_params import SamplingParams
+from engine.quant.linear import (
+    FAST_KERNELS,
+    QuantizedLinear,
+    quantized_layers,
+    reference_kernel,
+)
+from engine.runner.decode_inputs import decode_forward
+
+if TYPE_CHECKING:
+    from engine.runner.torch_runner import TorchModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Largest RMS error, relative to the reference's RMS, a kernel may show: float32 kernels
+# differ from the reference by summation order only; 16-bit ones by their roundings; FP8
+# GEMMs also quantize activations per token.
+_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+_FP8_GEMM_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class PartCheck:
+    part: str
+    result: str  # "pass" or "fallback"
+    reason: str  # why it fell back ("" when it passed)
+
+
+def check_kernels(runner: TorchModelRunner) -> list[PartCheck]:
+    """Check (and where needed replace) the attention backend, the quantized GEMMs and the
+    draw kernel of `runner`."""
+    results = []
+    if runner.backend.name in ("triton", "flashinfer"):
+        run = partial(_attention, runner)
+        results.append(_check("attention", run, _attention_fallback(runner)))
+    model = runner.model
+    for layout, (part, _) in FAST_KERNELS.items():
+        layers = [q for q in quantized_layers(model) if q.layout == layout]
+        if not layers or layers[0].kernel is reference_kernel:
+            continue
+        tolerance = _FP8_GEMM_TOLERANCE if layout == "fp8" else None
+        run = partial(_gemm, layers[0], runner.dtype)
+        results.append(_check(part, run, partial(_use_reference, layers), tolerance))
+    sampler = runner.sampler
+    if runner.device.type == "cuda" or sampler.draw_rows is not token_draw.draw:
+
+        def draw_fallback() -> None:
+            sampler.draw_rows = token_draw.draw_by_sort
+
+        results.append(_check("token_draw", partial(_draw, runner), draw_fallback, exact=True))
+    return results
+
+
+def check_graphs(runner: TorchModelRunner) -> list[PartCheck]:
+    """Replay one captured decode graph against the same step run eagerly; on a mismatch the
+    replica runs every step eagerly."""
+    if runner.graphs is None:
+        return []
+
+    def fallback() -> None:
+        runner.graphs = None
+
+    return [_check("decode_graph", lambda: _graph(runner), fallback)]
+
+
+def _check(
+    part: str,
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    fallback: Callable[[], None],
+    tolerance: float | None = None,
+    exact: bool = False,
+) -> PartCheck:
+    try:
+        with torch.inference_mode():
+            got, want = run()
+        problem = _mismatch(got, want, tolerance, exact)
+    except Exception as exc:  # noqa: BLE001 - any failure of a kernel means: do not use it
+        problem = f"{type(exc).__name__}: {exc}"[:300]
+    if problem is None:
+        logger.info("GPU self-check: %s passed", part)
+        return PartCheck(part, "pass", "")
+    fallback()
+    logger.warning("GPU self-check: %s falls back to the reference (%s)", part, problem)
+    return PartCheck(part, "fallback", problem)
+
+
+def _mismatch(
+    got: torch.Tensor, want: torch.Tensor, tolerance: float | None, exact: bool
+) -> str | None:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if exact:
+        wrong = int((got != want).sum())
+        return f"{wrong} of {got.numel()} differ" if wrong else None
+    got, want = got.float(), want.float()
+    if not torch.isfinite(got).all():
+        return "non-finite output"
+    tolerance = tolerance or _TOLERANCE.get(want.dtype, 3e-2)
+    error = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt().clamp(min=1e-6))
+    return None if error <= tolerance else f"relative RMS error {error:.3g} > {tolerance:g}"
+
+
+def _attention(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two decodes and a prefill chunk resuming on a cached prefix, over a scratch cache of
+    the runner's layout and dtype (the real cache is not touched)."""
+    spec, device, bs = runner.spec, runner.device, runner.block_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(3 * bs + 1, 1), (bs // 2, 1), (bs + 3, 2 * bs + 5)]  # (cached, new)
+    blocks = [-(-(c + n) // bs) for c, n in shapes]
+    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()  # scattered blocks
+    tables, slots, offsets = [], [], [0]
+    for (cached, new), count in zip(shapes, blocks, strict=True):
+        table = [order.pop() for _ in range(count)]
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(cached, cached + new)]
+        offsets.append(offsets[-1] + new)
+    width = max(blocks)
+    layout = BatchLayout(
+        num_decodes=2,
+        query_start_loc=offsets,
+        num_computed=[c for c, _ in shapes],
+        seq_lens=[c + n for c, n in shapes],
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+        slot_mapping=torch.tensor(slots, device=device),
+        block_size=bs,
+        sliding_window=spec.sliding_window,
+    )
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device=device, dtype=runner.dtype)
+
+    cache_shape = (sum(blocks) + 1, bs, kv_heads, dim)
+    cache = [randn(*cache_shape).to(runner.kv_dtype) for _ in range(2)]
+    q = randn(offsets[-1], heads, dim)
+    k, v = randn(offsets[-1], kv_heads, dim), randn(offsets[-1], kv_heads, dim)
+    scales = None
+    if runner.kv_dtype == FP8_KV:
+        scales = (torch.tensor(1.0, device=device), torch.tensor(1.0, device=device))
+    outputs = []
+    for backend in (runner.backend, TorchAttentionBackend()):
+        k_cache, v_cache = (c.clone() for c in cache)
+        metadata = backend.prepare(layout)
+        outputs.append(
+            backend.forward(q, k, v, k_cache, v_cache, metadata, dim**-0.5, kv_scales=scales)
+        )
+    return outputs[0], outputs[1]
+
+
+def _attention_fallback(runner: TorchModelRunner) -> Callable[[], None]:
+    def fallback() -> None:
+        runner.backend = TorchAttentionBackend()
+        runner.backend_reason = "the GPU self-check ruled out the chosen backend"
+
+    return fallback
+
+
+def _use_reference(layers: list[QuantizedLinear]) -> None:
+    for layer in layers:
+        layer.kernel = reference_kernel
+
+
+def _gemm(layer: QuantizedLinear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    device = layer.bias.device if layer.bias is not None else next(layer.buffers()).device
+    x = torch.randn(7, layer.in_features, generator=gen).to(device=device, dtype=dtype)
+    return layer.kernel(layer, x), reference_kernel(layer, x)
+
+
+def _draw(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with each filter and none, at a few temperatures, drawn by the kernel and by the
+    sorted definition at the same uniforms."""
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    vocab = runner.spec.vocab_size
+    logits = (torch.randn(8, vocab, generator=gen) * 3).to(runner.device)
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t, k, p, m in [
+            (1.0, 0, 1.0, 0.0),
+            (0.7, 50, 1.0, 0.0),
+            (1.0, 0, 0.9, 0.0),
+            (1.3, 0, 1.0, 0.05),
+            (0.9, 20, 0.8, 0.0),
+            (1.0, 5, 1.0, 0.1),
+            (0.5, 0, 0.5, 0.0),
+            (2.0, 100, 0.95, 0.01),
+        ]
+    ]
+    u = torch.rand(8, generator=gen).to(runner.device)
+    got = runner.sampler.draw_rows(logits, params, u)
+    return got, token_draw.draw_by_sort(logits, params, u)
+
+
+def _graph(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    graphs = runner.graphs
+    assert graphs is not None
+    size = graphs.sizes[min(1, len(graphs.sizes) - 1)]
+    ids = torch.randint(0, runner.spec.vocab_size, (size,), generator=torch.Generator())
+    replayed = graphs.replay_padding(ids.to(runner.device))
+    eager = decode_forward(
+        runner.model, runner.backend, graphs.inputs.rows(size), runner.kv_caches,
+        runner.spec.sliding_window,
+    )  # fmt: skip
+    return replayed, eager
