@@ -82,7 +82,7 @@ class ReplicaStats:
     attention_kernels: str = ""  # the attention backend the engine runs (its registry's pick)
     attention_kernels_reason: str = ""  # why that one
     # The GPU self-check's verdicts at start: (part, "pass" or "fallback", reason).
-    gpu_self_check: tuple[tuple[str, str, str], ...] = ()
+    self_check_verdicts: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def num_waiting(self) -> int:

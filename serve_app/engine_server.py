@@ -69,7 +69,7 @@ class EngineServer:
         self._attention_kernels = {
             "attention_kernels": runner.backend.name,
             "attention_kernels_reason": runner.backend_reason,
-            "gpu_self_check": tuple((c.part, c.result, c.reason) for c in runner.self_check),
+            "self_check_verdicts": tuple((c.part, c.result, c.reason) for c in runner.self_check),
         }
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context else "local"

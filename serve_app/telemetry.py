@@ -160,7 +160,7 @@ class _EngineCollector:
             labels=["model_name", "replica", "part", "result", "reason"],
         )
         for labels, stats, _ in rows:
-            for part, result, reason in stats.gpu_self_check:
+            for part, result, reason in stats.self_check_verdicts:
                 checks.add_metric([*labels, part, result, reason], 1.0)
         yield checks
         counters = {

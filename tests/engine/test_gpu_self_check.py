@@ -111,7 +111,7 @@ def test_verdicts_are_exported_as_an_info_metric(tiny_model):
         scheduler=engine.stats(),
         num_streams=0,
         capacity=8,
-        gpu_self_check=tuple((c.part, c.result, c.reason) for c in checks),
+        self_check_verdicts=tuple((c.part, c.result, c.reason) for c in checks),
     )
     limits = engine.scheduler.limits
     text = render_engine_metrics("tiny", [(stats, ControlDecision(limits))]).decode()
