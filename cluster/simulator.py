@@ -76,7 +76,7 @@ class SimConfig:
         if scheduler.max_model_len == "auto":
             scheduler = replace(scheduler, max_model_len=SIM_SCHEDULER.max_model_len)
         cache = replace(engine.cache, enable_prefix_caching=False)
-        tp_model = model.with_tp(engine.tensor_parallel_size)
+        tp_model = model.with_tp(engine.tensor_parallel_size).quantized(engine.quantization)
         return cls(tp_model, gpu, scheduler=scheduler, cache=cache, **changes)
 
     def with_scheduler(self, **changes: Any) -> SimConfig:

@@ -2,6 +2,11 @@
 and memory tests (weights only: no tokenizer; they are fed token ids).
 
     python -m engine.model.random_checkpoint --shape llama3-8b --out DIR [--device cuda]
+        [--quant fp8|awq]
+
+With --quant, the decoder layers' linear weights are written quantized, as random codes and
+scales in the format's layout and config (compressed-tensors FP8 per channel, or AWQ INT4
+with groups of 128): the quantized benchmarks' checkpoints, without quantizing a float one.
 
 Tensors are generated one at a time (on the GPU when asked, which is much faster) and
 written in shards of about 4 GB, as real checkpoints come.
@@ -72,6 +77,7 @@ def make_random_checkpoint(
     generate_on: str = "cpu",
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
+    quant: str | None = None,
 ) -> Path:
     """Write the checkpoint (skipped if `out` already holds one) and return its path."""
     out = Path(out)
@@ -92,7 +98,14 @@ def make_random_checkpoint(
         files.append(name)
         shard, size = {}, 0
 
+    if quant is not None:
+        cfg["quantization_config"] = QUANT_CONFIGS[quant]
     for name, dims in weight_shapes(cfg).items():
+        if quant is not None and ".layers." in name and len(dims) == 2:
+            for part, tensor in _random_quantized(quant, dims, gen, generate_on).items():
+                shard[name.removesuffix("weight") + part] = tensor.cpu()
+                size += tensor.nbytes
+            continue
         if len(dims) == 1:  # norm gains near 1
             value = 1.0 + 0.02 * torch.randn(dims, generator=gen, device=generate_on)
         else:  # about 1/sqrt(fan_in), so activations keep their scale through the layers
@@ -108,14 +121,52 @@ def make_random_checkpoint(
     return out
 
 
+QUANT_CONFIGS = {
+    "fp8": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token"},
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+}
+
+
+def _random_quantized(
+    quant: str, dims: tuple[int, ...], gen: torch.Generator, device: str
+) -> dict[str, torch.Tensor]:
+    """One [out, in] linear weight's tensors in `quant`'s layout, with random codes whose
+    dequantized values are about 1/sqrt(fan_in), as the float checkpoint's."""
+    n, k = dims
+    if quant == "fp8":
+        codes = torch.randn(dims, generator=gen, device=device) * 64
+        scale = torch.full((n, 1), k**-0.5 / 64, device=device)
+        return {"weight": codes.to(torch.float8_e4m3fn), "weight_scale": scale.bfloat16()}
+    groups = k // 128
+
+    def words(rows: int, cols: int) -> torch.Tensor:
+        return torch.randint(-(2**31), 2**31, (rows, cols), generator=gen, device=device).int()
+
+    scales = torch.full((groups, n), k**-0.5 / 5, device=device, dtype=torch.float16)
+    return {"qweight": words(k, n // 8), "qzeros": words(groups, n // 8), "scales": scales}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quant", choices=sorted(QUANT_CONFIGS), default=None)
     args = parser.parse_args()
-    path = make_random_checkpoint(args.out, args.shape, getattr(torch, args.dtype), args.device)
+    dtype = getattr(torch, args.dtype)
+    path = make_random_checkpoint(args.out, args.shape, dtype, args.device, quant=args.quant)
     print(f"wrote {args.shape} checkpoint to {path}")
 
 

@@ -6,6 +6,10 @@ Step time = overhead + max(compute time, memory time) + tensor-parallel communic
             + 4 x layers x heads x head_dim x (context each token attends to)
   memory  = bytes / (HBM bandwidth x bw_efficiency x tp)
     bytes = weights once per step + KV read for every token's context + KV written
+Quantized replicas (ModelSpec.quantized): FP8 or INT4 linear weights are fewer bytes to stream;
+FP8 GEMMs (weights and activations) run at the GPU's FP8 peak where it has one; an FP8 KV
+cache (CacheConfig.kv_cache_dtype) halves the KV bytes of a token, so the same memory holds
+twice the blocks.
   overhead = step_overhead_s + per_seq_overhead_s x requests + per_token_overhead_s x tokens
 The roofline max() is the usual first-order model of a step (compute-bound prefill,
 memory-bound decode). Efficiencies and overheads are fitted by `python -m loadtests.calibrate`
@@ -35,18 +39,20 @@ class GpuSpec:
     mem_bw: float  # HBM bytes/s
     mem_bytes: float
     interconnect_bw: float = 0.0  # per-GPU NVLink bytes/s (for TP all-reduces)
+    fp8_flops: float = 0.0  # FP8 dense FLOP/s; 0: no FP8 tensor cores (weight-only FP8)
 
 
 # Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16 dense; 1,555 GB/s for 40 GB,
 # 2,039 GB/s for 80 GB SXM; NVLink 600 GB/s), H100 SXM datasheet (989 TFLOP/s bf16 dense,
-# 3.35 TB/s, NVLink 900 GB/s), H200 SXM datasheet (989 TFLOP/s, 4.8 TB/s, 141 GB).
+# 3.35 TB/s, NVLink 900 GB/s, 1,979 TFLOP/s FP8 dense), H200 SXM datasheet (989 TFLOP/s,
+# 4.8 TB/s, 141 GB, 1,979 TFLOP/s FP8 dense). Ampere has no FP8 tensor cores.
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec("A100-40GB", 312e12, 1555e9, 40e9, 600e9),
         GpuSpec("A100-80GB", 312e12, 2039e9, 80e9, 600e9),
-        GpuSpec("H100-80GB", 989e12, 3350e9, 80e9, 900e9),
-        GpuSpec("H200", 989e12, 4800e9, 141e9, 900e9),
+        GpuSpec("H100-80GB", 989e12, 3350e9, 80e9, 900e9, 1979e12),
+        GpuSpec("H200", 989e12, 4800e9, 141e9, 900e9, 1979e12),
     )
 }
 
@@ -66,6 +72,9 @@ class ModelSpec:
     dtype_bytes: int = 2
     tp: int = 1
     tied_embeddings: bool = False
+    linear_bytes: float | None = None  # bytes per decoder-layer weight; None: dtype_bytes
+    kv_dtype_bytes: int | None = None  # bytes per cached K or V value; None: dtype_bytes
+    fp8_gemms: bool = False  # linear layers run FP8 x FP8 GEMMs (FP8 weights, dynamic FP8 acts)
 
     @property
     def layer_params(self) -> int:
@@ -83,11 +92,30 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        return self.num_params * self.dtype_bytes
+        linear = self.dtype_bytes if self.linear_bytes is None else self.linear_bytes
+        embeddings = self.num_params - self.num_layers * self.layer_params
+        return self.num_layers * self.layer_params * linear + embeddings * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        value = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * value
+
+    def quantized(self, weights: str | None = None, kv_cache_dtype: str = "auto") -> ModelSpec:
+        """This model as a replica serves it with `weights` ("fp8": FP8 weights and GEMMs,
+        one float32 scale per output row; "int4": 4-bit weights with a float32 scale and a
+        zero point per group of 128, as engine/quant/linear.py holds them) and an FP8 KV
+        cache ("fp8_e4m3")."""
+        spec = self
+        if weights == "fp8":
+            spec = replace(spec, linear_bytes=1.0, fp8_gemms=True, name=f"{spec.name}+fp8")
+        elif weights == "int4":
+            spec = replace(spec, linear_bytes=0.5 + 5 / 128, name=f"{spec.name}+int4")
+        elif weights is not None:
+            raise ValueError(f"weights must be fp8, int4 or None, got {weights!r}")
+        if kv_cache_dtype == "fp8_e4m3":
+            spec = replace(spec, kv_dtype_bytes=1, name=f"{spec.name}+kv-fp8")
+        return spec
 
     def with_tp(self, tp: int) -> ModelSpec:
         return replace(self, name=f"{self.name.split('@')[0]}@tp{tp}", tp=tp)
@@ -118,6 +146,7 @@ MODELS: dict[str, ModelSpec] = {
     for m in (
         ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000),
         ModelSpec("Llama-2-13B", 40, 5120, 40, 40, 128, 13824, 32000),
+        ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256),
         ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
         ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
     )
@@ -171,14 +200,17 @@ def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: Cost
         context += start + n
         sampled += s.sample
     kv_read = context * kv_tok
-    flops = (
-        2.0 * model.num_layers * model.layer_params * tokens
-        + 2.0 * model.hidden_size * model.vocab_size * sampled
-        + attn_flops_per_ctx * attended
+    linear_flops = 2.0 * model.num_layers * model.layer_params * tokens
+    other_flops = (
+        2.0 * model.hidden_size * model.vocab_size * sampled + attn_flops_per_ctx * attended
     )
+    flops = linear_flops + other_flops
     nbytes = model.weight_bytes + kv_read + tokens * kv_tok
     tp = model.tp
-    compute = flops / (gpu.peak_flops * params.flops_efficiency * tp)
+    linear_peak = gpu.fp8_flops if model.fp8_gemms and gpu.fp8_flops else gpu.peak_flops
+    compute = (linear_flops / linear_peak + other_flops / gpu.peak_flops) / (
+        params.flops_efficiency * tp
+    )
     memory = nbytes / (gpu.mem_bw * params.bw_efficiency * tp)
     comm = 0.0
     if tp > 1 and gpu.interconnect_bw > 0:
@@ -223,9 +255,10 @@ class CostModelRunner:
         """The KV cache holds `cache.num_blocks`, else what `cache.gpu_memory_fraction` of the
         simulated GPUs' memory holds after the weights (a CPU byte budget does not apply).
         `max_model_len` auto: what the cache holds (a simulated model has no config.json)."""
+        cache = cache or CacheConfig()
+        model = model.quantized(kv_cache_dtype=cache.kv_cache_dtype)
         self.model, self.gpu, self.clock = model, gpu, clock
         self.params = params or CostParams()
-        cache = cache or CacheConfig()
         self._num_blocks = cache.num_blocks or kv_blocks_for(
             model, gpu, cache.block_size, cache.gpu_memory_fraction
         )

@@ -4,6 +4,8 @@
 #   bash tests/gpu/on_device.sh tests   # tests/gpu
 #   bash tests/gpu/on_device.sh small   # steady decode and the whole workload, small model
 #   bash tests/gpu/on_device.sh 8b      # the same on an 8B-shaped random checkpoint
+#   bash tests/gpu/on_device.sh quant   # quantized GEMMs, formats and FP8 KV on CUDA; decode
+#                                       # and prefill of bf16, FP8 and AWQ 8B-shaped checkpoints
 # That machine's image holds torch, triton, transformers and pytest: the checkout runs from
 # PYTHONPATH, nothing is installed. Each step's log (JSON last) goes to $OUT/<step>.log and its
 # tail to the output; a failing step does not stop the next.
@@ -56,5 +58,17 @@ case ${1:-} in
             --dtype "$DTYPE" --device "$DEVICE"
         figures 8b "$checkpoint" 64
         ;;
-    *) echo "usage: $0 tests|small|8b" >&2 && exit 2 ;;
+    quant)
+        base=/tmp/llama3-8b-random awq=/tmp/llama3-8b-awq
+        step quant-tests 240 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_quant.py
+        [ -f "$base/config.json" ] || step checkpoint-8b 240 "$PY" -m \
+            engine.model.random_checkpoint --shape llama3-8b --out "$base" --dtype "$DTYPE" \
+            --device "$DEVICE"
+        [ -f "$awq/config.json" ] || step checkpoint-8b-awq 120 "$PY" -m \
+            engine.model.random_checkpoint --shape llama3-8b --out "$awq" --dtype "$DTYPE" \
+            --device "$DEVICE" --quant awq
+        step quant-bench 400 "$PY" -m loadtests.bench_quant --model "$base" --awq "$awq" \
+            --device "$DEVICE" --dtype "$DTYPE" --batches 1,32,128 --kv-cache-gb 8 --json
+        ;;
+    *) echo "usage: $0 tests|small|8b|quant" >&2 && exit 2 ;;
 esac
