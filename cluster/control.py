@@ -81,6 +81,8 @@ class ReplicaStats:
     metrics: EngineMetricsSnapshot | None = None  # cumulative request metrics (/metrics)
     attention_kernels: str = ""  # the attention backend the engine runs (its registry's pick)
     attention_kernels_reason: str = ""  # why that one
+    cache_dtype: str = ""  # what the KV cache holds: the model's dtype, or fp8_e4m3
+    kv_block_size: int = 0  # tokens per KV block
     # The GPU self-check's verdicts at start: (part, "pass" or "fallback", reason).
     self_check_verdicts: tuple[tuple[str, str, str], ...] = ()
 

@@ -4,7 +4,8 @@ the memory-aware rule's batch, to throughput and to capacity at the SLO.
     python -m loadtests.bench_quant_sim [--quick] [--json]
 
 Settings: Llama-3.1-8B on one H100-80GB and Llama-2-13B on one A100-40GB, each as bfloat16,
-FP8 weights with an FP8 KV cache, and INT4 (AWQ/GPTQ) weights with an FP8 KV cache. For each:
+bfloat16 with an FP8 KV cache, FP8 weights with an FP8 KV cache, and INT4 (AWQ/GPTQ) weights
+with an FP8 KV cache. For each:
 the KV cache in tokens (what gpu_memory_fraction 0.9 holds after the weights), throughput of
 the memory-aware policy on a saturating chat trace with the mean max_num_seqs the rule chose,
 and capacity (the highest Poisson rate at which >= 90% of requests meet the SLO). Ratios are
@@ -35,6 +36,7 @@ SETTINGS = [
 # (variant, weights, kv_cache_dtype)
 VARIANTS = [
     ("bf16", None, "auto"),
+    ("bf16 + fp8 KV", None, "fp8_e4m3"),
     ("fp8 weights + fp8 KV", "fp8", "fp8_e4m3"),
     ("int4 weights + fp8 KV", "int4", "fp8_e4m3"),
 ]

@@ -66,9 +66,12 @@ class EngineServer:
             policy = self.args.batching.make(start.max_num_seqs)
         self.engine = AsyncLLMEngine(LLMEngine(config, policy=policy))
         runner = self.engine.engine.runner
-        self._attention_kernels = {
+        kv_dtype = config.cache.kv_cache_dtype
+        self._replica_info = {  # what ReplicaStats reports of the replica's build, unchanging
             "attention_kernels": runner.backend.name,
             "attention_kernels_reason": runner.backend_reason,
+            "cache_dtype": config.dtype if kv_dtype == "auto" else kv_dtype,
+            "kv_block_size": config.cache.block_size,
             "self_check_verdicts": tuple((c.part, c.result, c.reason) for c in runner.self_check),
         }
         context = serve.get_replica_context()
@@ -231,7 +234,7 @@ class EngineServer:
             metrics=self.metrics.snapshot(
                 self.engine.engine.scheduler.steps.batch_size_histogram.snapshot()
             ),
-            **self._attention_kernels,
+            **self._replica_info,
         )
 
     async def _report_loop(self) -> None:

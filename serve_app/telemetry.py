@@ -153,6 +153,17 @@ class _EngineCollector:
                     [*labels, stats.attention_kernels, stats.attention_kernels_reason], 1.0
                 )
         yield info
+        cache = GaugeMetricFamily(
+            "dynabatch:cache_config_info",
+            "The KV cache of each engine replica: tokens per block, blocks, and what a value "
+            "is stored as (always 1).",
+            labels=["model_name", "replica", "block_size", "num_gpu_blocks", "cache_dtype"],
+        )
+        for labels, stats, _ in rows:
+            if stats.cache_dtype:
+                blocks = str(stats.scheduler.num_total_blocks)
+                cache.add_metric([*labels, str(stats.kv_block_size), blocks, stats.cache_dtype], 1)
+        yield cache
         checks = GaugeMetricFamily(
             "dynabatch:gpu_self_check_info",
             "Each GPU kernel part the start-up self-check ran, its result (pass, or fallback "

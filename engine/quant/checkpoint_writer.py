@@ -30,6 +30,7 @@ FORMATS = (
     "awq",  # AutoAWQ GEMM, 4 bits, zero points
     "gptq",  # GPTQ v1, 4 bits, symmetric, desc_act false
     "gptq-asym-actorder",  # GPTQ v1, 4 bits, zero points, desc_act true
+    "gptq-v2",  # GPTQ v2 (zero points stored as they are), 4 bits, zero points
     "online-fp8",  # the float checkpoint itself; its twin is what `quantization: fp8` makes
 )
 _LINEAR_SUFFIXES = tuple(
@@ -133,8 +134,9 @@ def _quantize_int4(
             "qzeros": pack_columns(zero.t().contiguous(), AWQ_ORDER),
             "scales": scales,
         }
-    else:  # GPTQ v1 stores each zero point minus one
-        stored = ((zero.t().to(torch.int32) - 1) & 0xF).to(torch.uint8).contiguous()
+    else:  # GPTQ v1 stores each zero point minus one, v2 as it is
+        offset = 0 if fmt == "gptq-v2" else 1
+        stored = ((zero.t().to(torch.int32) - offset) & 0xF).to(torch.uint8).contiguous()
         tensors = {
             "qweight": pack_rows(codes.t().contiguous()),
             "qzeros": pack_columns(stored),
@@ -158,9 +160,9 @@ def _int4_config(fmt: str, group: int) -> dict:
         "quant_method": "gptq",
         "bits": 4,
         "group_size": group,
-        "desc_act": fmt != "gptq",
+        "desc_act": fmt == "gptq-asym-actorder",
         "sym": fmt == "gptq",
-        "checkpoint_format": "gptq",
+        "checkpoint_format": "gptq_v2" if fmt == "gptq-v2" else "gptq",
         "static_groups": False,
         "true_sequential": True,
         "damp_percent": 0.01,
@@ -202,7 +204,7 @@ def write_quantized(
             parts, deq = _quantize_int4(fmt, tensor, group_size, perm)
         quantized |= {f"{base}.{suffix}": t.contiguous() for suffix, t in parts.items()}
         dequantized[name] = deq.contiguous()
-    is_int4 = fmt in ("awq", "gptq", "gptq-asym-actorder")
+    is_int4 = fmt.startswith(("awq", "gptq"))
     quant = _int4_config(fmt, group_size) if is_int4 else _fp8_config(fmt)
     quantized_config = config if fmt == "online-fp8" else config | {"quantization_config": quant}
     for path, tensors, cfg in (

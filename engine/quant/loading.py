@@ -40,10 +40,8 @@ class LinearPart:
     column: bool
     shard: Shard
 
-    def local(self, size: int, split: bool) -> tuple[int, int]:
-        """(start, length) of this rank's share of `size` entries, when `split`."""
-        if not split:
-            return 0, size
+    def share(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's share of `size` entries split across the ranks."""
         length = size // self.shard.world_size
         return self.shard.rank * length, length
 
@@ -79,20 +77,20 @@ def quantize_modules(
                     f"model: {hf} are fused in one layer, but only some are quantized",
                 )
             sizes, k = _part_sizes(full, module)
+            world = shard.world_size
             parts, start = [], 0
             for name, n in zip(hf, sizes, strict=True):
-                part = LinearPart(name, slice(0), n, k, column, shard)
-                local = part.local(n, column)[1]
+                local = n // world if column else n
                 parts.append(LinearPart(name, slice(start, start + local), n, k, column, shard))
                 start += local
-            k_local = parts[0].local(k, not column)[1]
-            old = decoder.layers[i].get_submodule(module)
+            _check_split(scheme, parts)
+            k_local = k if column else k // world
+            bias = decoder.layers[i].get_submodule(module).bias is not None
             groups = _num_groups(scheme, parts[0])
             with torch.device("meta"):
-                new = QuantizedLinear(k_local, start, old.bias is not None, scheme, dtype, groups)
+                new = QuantizedLinear(k_local, start, bias, scheme, dtype, groups)
             decoder.layers[i].set_submodule(module, new)
             layers[new] = parts
-            _check_split(scheme, parts)
     decoder.feature_major_max_tokens = 0  # the native feature-major GEMMs take float weights
     return layers
 
@@ -107,7 +105,7 @@ def _num_groups(scheme: QuantScheme, part: LinearPart) -> int:
     group = _group(scheme, part.k)
     if part.column or part.shard.world_size == 1 or scheme.desc_act:
         return -(-part.k // group)
-    return part.local(part.k, True)[1] // group
+    return part.share(part.k)[1] // group
 
 
 def _check_split(scheme: QuantScheme, parts: list[LinearPart]) -> None:
@@ -175,7 +173,7 @@ def _split(part: LinearPart, dim: int, size: int, unit: int = 1) -> SliceOf | No
     of a checkpoint tensor, or None when it reads the whole."""
     if part.shard.world_size == 1:
         return None
-    start, length = part.local(size, True)
+    start, length = part.share(size)
     return SliceOf(dim, start // unit, length // unit, size // unit)
 
 

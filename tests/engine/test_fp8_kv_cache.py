@@ -157,3 +157,21 @@ def test_backends_that_read_only_float_caches_are_ruled_out_naming_kv_cache_dtyp
     cuda = AttentionShape("cuda", "bfloat16", 128, 16, "fp8_e4m3")
     with pytest.raises(InvalidParam, match="kv_cache_dtype"):
         get_attention_backend("flashinfer", cuda)
+
+
+def test_metrics_say_what_the_cache_holds(tiny_model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.control import ControlDecision, ReplicaStats
+    from serve_app.telemetry import render_engine_metrics
+
+    engine = build_engine(tiny_model, num_blocks=96, kv_cache_dtype="fp8_e4m3")
+    stats = ReplicaStats("r1", engine.stats(), 0, 8, cache_dtype="fp8_e4m3", kv_block_size=4)
+    text = render_engine_metrics("tiny", [(stats, ControlDecision(engine.scheduler.limits))])
+    (sample,) = [
+        s
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "dynabatch:cache_config_info"
+    ]
+    assert sample.labels["num_gpu_blocks"] == "96" and sample.labels["cache_dtype"] == "fp8_e4m3"

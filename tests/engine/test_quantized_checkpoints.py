@@ -91,7 +91,7 @@ def test_gptq_packing_fixture():
     assert ((stored.int() + 1) & 0xF).tolist() == [[8, 0, 8, 8, 8, 8, 8, 8]]
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-asym-actorder"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-asym-actorder", "gptq-v2"])
 def test_int4_weights_equal_a_plain_reading_of_the_format(fmt):
     """Every weight of a layer, read from the checkpoint's raw tensors by the formats'
     published arithmetic one element at a time, equals what our layer computes with."""
@@ -108,13 +108,14 @@ def test_int4_weights_equal_a_plain_reading_of_the_format(fmt):
     rng = random.Random(0)
     for _ in range(300):
         n, k = rng.randrange(256), rng.randrange(256)
-        g = int(g_idx[k]) if g_idx is not None and fmt != "gptq" else k // 128
+        g = int(g_idx[k]) if fmt == "gptq-asym-actorder" else k // 128
         if fmt == "awq":
             q = (int(qweight[k, n // 8]) >> (4 * AWQ_ORDER.index(n % 8))) & 0xF
             z = (int(qzeros[g, n // 8]) >> (4 * AWQ_ORDER.index(n % 8))) & 0xF
         else:
             q = (int(qweight[k // 8, n]) >> (4 * (k % 8))) & 0xF
-            z = ((int(qzeros[g, n // 8]) >> (4 * (n % 8))) + 1) & 0xF
+            offset = 0 if fmt == "gptq-v2" else 1  # v1 stores each zero point minus one
+            z = ((int(qzeros[g, n // 8]) >> (4 * (n % 8))) + offset) & 0xF
         expected = (q - z) * float(scales[g, n])
         assert float(mine[k_rows][n, k]) == expected, (fmt, n, k)
 

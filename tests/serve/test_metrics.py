@@ -57,6 +57,11 @@ def test_engine_metrics_cover_every_replica_and_count_exactly(serve_cluster):
     assert {i["replica"] for i in info} == replicas
     assert {i["backend"] for i in info} <= {"cpu", "torch"}
     assert all(i["reason"].startswith("auto:") for i in info)
+    # And what its KV cache holds (vLLM's cache_config_info).
+    cache = [dict(k) for k in before["dynabatch:cache_config_info"]]
+    assert {c["replica"] for c in cache} == replicas
+    assert {(c["cache_dtype"], c["block_size"]) for c in cache} == {("float32", "16")}
+    assert all(int(c["num_gpu_blocks"]) > 0 for c in cache)
 
     n, max_tokens = 6, 5
     usage = []
