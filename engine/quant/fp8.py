@@ -15,12 +15,12 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (fp8 [N, K], float32 scales [N]) with w ~ q * scale per row; `amax`
     gives each row's largest magnitude where w holds only some of the row's columns."""
-    w32 = w.float()
     if amax is None:
-        amax = w32.abs().amax(dim=1)
+        amax = w.abs().amax(dim=1).float()
     scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    # In place on one float32 copy: online quantization holds one weight at a time in float.
+    scaled = w.to(torch.float32, copy=True).div_(scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return scaled.to(FP8), scale
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -226,7 +226,7 @@ def _fill_online_fp8(
     weight = _read(reader, part.name + ".weight", (part.n, part.k), _FLOATS, piece)
     # Quantized where the layer lives: one part in float at a time, on top of FP8 weights.
     weight = weight.to(layer.weight.device)
-    amax = weight.float().abs().amax(dim=1)
+    amax = weight.abs().amax(dim=1).float()
     if piece is not None and not part.column and max_over_ranks is not None:
         amax = max_over_ranks(amax)  # the same scales as one rank's whole rows
     q, scale = quantize_rows(weight, amax)

@@ -87,22 +87,29 @@ def status(field):  # kB figures of this process's own memory (not inherited acr
 load_decoder(sys.argv[2], read_spec(sys.argv[2]), torch.device("cpu"), torch.bfloat16)
 spec = read_spec(sys.argv[1])
 before = status("VmRSS")
-decoder = load_decoder(sys.argv[1], spec, torch.device("cpu"), torch.bfloat16)
+quantization = None if sys.argv[3] == "none" else sys.argv[3]
+decoder = load_decoder(
+    sys.argv[1], spec, torch.device("cpu"), torch.bfloat16, quantization=quantization
+)
 # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the forking parent.
 print(json.dumps({"before": before, "peak": status("VmHWM")}))
 """
 
 
-def test_peak_host_memory_while_loading_is_near_the_checkpoint_size(tmp_path):
-    """A ~500M-parameter bfloat16 checkpoint loads with at most 1.3x its bytes of new
-    resident memory (a float32 build cast afterwards, or a state dict beside the model,
-    would need 2-4x)."""
-    model_dir = make_random_checkpoint(tmp_path / "big", "500m", shard_bytes=600 << 20)
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory) -> tuple[Path, int]:
+    model_dir = make_random_checkpoint(
+        tmp_path_factory.mktemp("big") / "500m", "500m", shard_bytes=600 << 20
+    )
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     assert len(list(model_dir.glob("*.safetensors"))) == 2
     assert 0.9e9 < size < 1.1e9
+    return model_dir, size
+
+
+def _grown(model_dir: Path, quantization: str) -> int:
     run = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(model_dir), tiny_model_dir()],
+        [sys.executable, "-c", _MEASURE, str(model_dir), tiny_model_dir(), quantization],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -110,6 +117,23 @@ def test_peak_host_memory_while_loading_is_near_the_checkpoint_size(tmp_path):
         check=True,
     )
     figures = json.loads(run.stdout.strip().splitlines()[-1])
-    grown = figures["peak"] - figures["before"]
+    return figures["peak"] - figures["before"]
+
+
+def test_peak_host_memory_while_loading_is_near_the_checkpoint_size(big_checkpoint):
+    """A ~500M-parameter bfloat16 checkpoint loads with at most 1.3x its bytes of new
+    resident memory (a float32 build cast afterwards, or a state dict beside the model,
+    would need 2-4x)."""
+    model_dir, size = big_checkpoint
+    grown = _grown(model_dir, "none")
     assert grown <= 1.3 * size, f"loading took {grown / size:.2f}x the checkpoint's bytes"
     assert grown >= 0.9 * size  # the weights themselves are resident: the measure is real
+
+
+def test_online_fp8_peaks_below_the_unquantized_load(big_checkpoint):
+    """Quantized one weight at a time: the linear weights' bytes halve (embeddings stay
+    bfloat16), and nothing of the whole float model is held: the peak stays below 0.85x, where
+    the unquantized load needs at least 0.9x."""
+    model_dir, size = big_checkpoint
+    grown = _grown(model_dir, "fp8")
+    assert grown <= 0.85 * size, f"online fp8 took {grown / size:.2f}x the checkpoint's bytes"
