@@ -75,6 +75,30 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+def _launch(
+    x: torch.Tensor,
+    n: int,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: torch.Tensor,
+    num_groups: int,
+    scale_cols: int,
+    **layout: object,
+) -> torch.Tensor:
+    m, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = _block_m(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, _BLOCK_N))
+    _dequant_gemm[grid](
+        x, weight, scale, zero, group, y, m, n, k, x.stride(0), y.stride(0), num_groups,
+        scale_cols, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K, **layout,
+    )  # fmt: skip
+    return y
+
+
 def int4_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -83,33 +107,15 @@ def int4_gemm(
     g_idx: torch.Tensor,
 ) -> torch.Tensor:
     """x [M, K] @ dequantize(INT4 W [N, K]).T -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    x = x.contiguous()
-    grid = (triton.cdiv(m, _block_m(m)), triton.cdiv(n, _BLOCK_N))
-    _dequant_gemm[grid](
-        x, qweight, scales, zeros, g_idx, y, m, n, k, x.stride(0), y.stride(0),
-        scales.shape[1], 0,
-        INT4=True, SCALE_ROWS=1, SCALE_COLS=1, IEEE=x.dtype == torch.float32,
-        BLOCK_M=_block_m(m), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-    )  # fmt: skip
-    return y
+    n, groups = scales.shape
+    layout = {"INT4": True, "SCALE_ROWS": 1, "SCALE_COLS": 1}
+    return _launch(x, n, qweight, scales, zeros, g_idx, groups, 0, **layout)
 
 
 def fp8_block_gemm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
     """x [M, K] @ (FP8 W [N, K] * its block scales).T -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    x = x.contiguous()
-    grid = (triton.cdiv(m, _block_m(m)), triton.cdiv(n, _BLOCK_N))
-    _dequant_gemm[grid](
-        x, weight.view(torch.uint8), scale, scale, scale, y, m, n, k, x.stride(0), y.stride(0),
-        0, scale.shape[1],
-        INT4=False, SCALE_ROWS=block[0], SCALE_COLS=block[1], IEEE=x.dtype == torch.float32,
-        BLOCK_M=_block_m(m), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-    )  # fmt: skip
-    return y
+    layout = {"INT4": False, "SCALE_ROWS": block[0], "SCALE_COLS": block[1]}
+    raw = weight.view(torch.uint8)
+    return _launch(x, weight.shape[0], raw, scale, scale, scale, 0, scale.shape[1], **layout)
