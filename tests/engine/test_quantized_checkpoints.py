@@ -16,7 +16,7 @@ from engine.model.weight_loader import load_decoder
 from engine.quant.checkpoint_writer import FORMATS, write_quantized
 from engine.quant.linear import QuantizedLinear
 from engine.quant.packing import AWQ_ORDER, unpack_columns, unpack_rows
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_model_dir
 from tests.engine.oracle import HFOracle
 from tests.engine.test_oracle import check_against_oracle, random_prompts, run_mix, scenario_engine
 from tests.engine.test_tensor_parallel import _Sharded
@@ -144,6 +144,23 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_model(fmt, world, scenario):
     finally:
         engine.close()
     check_against_oracle(HFOracle(twin), prompts, max_tokens, tokens)
+
+
+def test_quantized_layers_keep_their_biases_qwen2():
+    """Qwen2's q/k/v biases stay float beside the INT4 weights (and its embeddings tied)."""
+    src = tiny_model_dir("qwen2")
+    model, twin = write_quantized(src, REPO / "models" / "quant" / "awq-qwen2", "awq", 32)
+    engine = scenario_engine(str(model), "chunked+preemption")
+    try:
+        qkv = engine.runner.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, QuantizedLinear) and qkv.bias is not None
+        rng = random.Random(5)
+        prompts = random_prompts(5, 8, max_len=30)
+        max_tokens = [rng.randint(1, 12) for _ in prompts]
+        tokens = run_mix(engine, prompts, max_tokens, [rng.randint(0, 4) for _ in prompts])
+    finally:
+        engine.close()
+    check_against_oracle(HFOracle(str(twin)), prompts, max_tokens, tokens)
 
 
 # ------------------------------------------------------------------- tensor parallel loading
