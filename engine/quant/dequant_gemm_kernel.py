@@ -4,7 +4,8 @@ and float32 accumulation (Triton). Two weight layouts (engine/quant/linear.py):
 - INT4: int32 [N, K/8] words, eight input columns each (nibble j = column 8w + j); a float32
   scale and a uint8 zero point per output row and group, the group of column k is g_idx[k]
   (GPTQ's act-order groups come out of the same gather).
-- FP8 blocks: float8 e4m3 [N, K] read as bytes; a float32 scale per (bn x bk) block.
+- FP8 blocks: float8 e4m3 [N, K] read as bytes; a float32 scale per (bn x bk) block (a scale
+  per output row is the block 1 x K: FP8 weights on GPUs without FP8 tensor cores).
 
 Nothing of the dequantized weight's size is written: decode steps read 4 or 8 bits a weight.
 """
@@ -110,6 +111,17 @@ def int4_gemm(
     n, groups = scales.shape
     layout = {"INT4": True, "SCALE_ROWS": 1, "SCALE_COLS": 1}
     return _launch(x, n, qweight, scales, zeros, g_idx, groups, 0, **layout)
+
+
+# Wider than any row: with it a block spans every input column.
+_WHOLE_ROW = 1 << 30
+
+
+def fp8_rows_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (FP8 W [N, K] * its per-row scales [N]).T -> [M, N] (weight-only FP8)."""
+    layout = {"INT4": False, "SCALE_ROWS": 1, "SCALE_COLS": _WHOLE_ROW}
+    raw = weight.view(torch.uint8)
+    return _launch(x, weight.shape[0], raw, scale, scale, scale, 0, 1, **layout)
 
 
 def fp8_block_gemm(

@@ -8,10 +8,11 @@
   input column).
 
 `forward` runs the layer's kernel (`kernel`): on CUDA the fast one of its layout (FP8:
-`torch._scaled_mm` with dynamic per-token activation scales; INT4 and FP8 blocks: our Triton
-kernel), else the reference (dequantize to the activations' dtype, then the float GEMM). The
-GPU self-check (engine/quant/self_check.py) sets a layout back to the reference where its
-fast kernel fails on the device.
+`torch._scaled_mm` with dynamic per-token activation scales on GPUs with FP8 tensor cores,
+compute capability 8.9 and up, else our Triton kernel with the FP8 weights dequantized in
+registers; INT4 and FP8 blocks: our Triton kernel), else the reference (dequantize to the
+activations' dtype, then the float GEMM). The GPU self-check (engine/runner/gpu_self_check.py)
+sets a layout back to the reference where its fast kernel fails on the device.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def fp8_scaled_mm_kernel(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tenso
     )
 
 
+def fp8_triton_kernel(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """CUDA without FP8 tensor cores (Ampere): weight-only FP8, dequantized in registers."""
+    from engine.quant.dequant_gemm_kernel import fp8_rows_gemm
+
+    return fp8_rows_gemm(x, layer.weight, layer.weight_scale)
+
+
 def int4_triton_kernel(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     from engine.quant.dequant_gemm_kernel import int4_gemm
 
@@ -127,11 +135,19 @@ def quantized_layers(model: nn.Module) -> list[QuantizedLinear]:
     return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
 
 
-def use_kernels(model: nn.Module, fast: bool) -> None:
-    """Every quantized layer of `model` on its layout's fast kernel (`fast`) or the
-    reference."""
+def use_kernels(model: nn.Module, device: torch.device) -> None:
+    """Every quantized layer of `model` on its layout's fast kernel on `device` (CUDA), else
+    on the reference."""
     for layer in quantized_layers(model):
-        layer.kernel = FAST_KERNELS[layer.layout][1] if fast else reference_kernel
+        layer.kernel = fast_kernel(layer.layout, device)
+
+
+def fast_kernel(layout: str, device: torch.device) -> Kernel:
+    if device.type != "cuda":
+        return reference_kernel
+    if layout == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        return fp8_triton_kernel  # no FP8 tensor cores for torch._scaled_mm
+    return FAST_KERNELS[layout][1]
 
 
 def set_layout_kernel(model: nn.Module, layout: str, kernel: Kernel) -> None:

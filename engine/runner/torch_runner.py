@@ -101,7 +101,7 @@ class TorchModelRunner:
             quantization=config.quantization,
             kv_cache_dtype=config.cache.kv_cache_dtype,
         )
-        use_kernels(self.model, fast=self.device.type == "cuda")
+        use_kernels(self.model, self.device)
         self.model.pack_weights()
         self.block_size = config.cache.block_size
         self._num_blocks = self._size_cache(config.cache, config.scheduler)

@@ -44,7 +44,7 @@ def test_every_gpu_kernel_compiles_for_sm90():
         timeout=600,
     )
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.split() == ["compiled"] * 17
+    assert child.stdout.split() == ["compiled"] * 18
 
 
 def compile_the_draw_kernel(logits: str) -> None:
@@ -87,13 +87,16 @@ def compile_the_attention_kernels(
     _compile(triton_kernels._write_kv, write, {"ROW": row, "BLOCK": row})
 
 
-def compile_the_dequant_gemm(dtype: str, int4: bool, block_m: int) -> None:
+def compile_the_dequant_gemm(
+    dtype: str, int4: bool, block_m: int, scale_block: tuple[int, int] = (128, 128)
+) -> None:
     signature = {"x_ptr": f"*{dtype}", "w_ptr": "*i32" if int4 else "*u8", "scale_ptr": "*fp32"}
     signature |= {"zero_ptr": "*u8" if int4 else "*fp32", "group_ptr": "*i32" if int4 else "*fp32"}
     signature["y_ptr"] = f"*{dtype}"
     for name in ("M", "N", "K", "stride_xm", "stride_ym", "num_groups", "scale_cols"):
         signature[name] = "i32"
-    constexprs = {"INT4": int4, "SCALE_ROWS": 1 if int4 else 128, "SCALE_COLS": 1 if int4 else 128}
+    rows, cols = (1, 1) if int4 else scale_block
+    constexprs = {"INT4": int4, "SCALE_ROWS": rows, "SCALE_COLS": cols}
     constexprs |= {"IEEE": dtype == "fp32", "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
     _compile(_dequant_gemm, signature, constexprs)
 
@@ -102,6 +105,7 @@ if __name__ == "__main__":
     compile_the_dequant_gemm("bf16", True, 16)
     compile_the_dequant_gemm("bf16", False, 64)
     compile_the_dequant_gemm("fp32", True, 32)
+    compile_the_dequant_gemm("bf16", False, 16, (1, 1 << 30))  # FP8 rows: weight-only
     for logits in ("bf16", "fp32"):
         compile_the_draw_kernel(logits)
     for config in [("bf16", 128, 4, 16), ("bf16", 128, 4, 64), ("fp16", 64, 1, 64)]:
