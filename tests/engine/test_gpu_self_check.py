@@ -8,6 +8,7 @@ import os
 import random
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 # NOTE: read when the triton kernels are defined, so before they are imported.
@@ -134,3 +135,17 @@ def test_the_check_can_be_turned_off(tiny_model):
 
     config = EngineConfig(model=tiny_model, attention_backend="triton", gpu_self_check=False)
     assert LLMEngine(config).runner.self_check == []
+
+
+def test_tolerances_follow_the_outputs_dtype():
+    """A bfloat16 kernel is held to bfloat16's rounding, a float32 one to float32's."""
+    from engine.runner.gpu_self_check import _mismatch
+
+    want = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    noisy = want * (1 + 0.01 * torch.randn(64, 128, generator=torch.Generator().manual_seed(1)))
+    assert _mismatch(noisy.bfloat16(), want.bfloat16(), None, False) is None
+    assert "relative RMS error" in _mismatch(noisy, want, None, False)
+    tokens = torch.arange(8)
+    assert _mismatch(tokens.clone(), tokens, None, True) is None
+    assert _mismatch(torch.where(tokens == 3, 0, tokens), tokens, None, True) is None
+    assert _mismatch(torch.zeros(8, dtype=torch.long), tokens, None, True) == "7 of 8 differ"
