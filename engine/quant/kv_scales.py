@@ -20,21 +20,18 @@ def set_kv_scales(decoder: nn.Module, reader: CheckpointReader, device: torch.de
     """Give every attention layer of `decoder` its FP8 cache scales (`kv_scales`), and say
     whether both came from the checkpoint (`kv_scales_from_checkpoint`)."""
     for i, layer in enumerate(decoder.layers):
-        scales = []
+        scales, found = [], 0
         for kind in ("k", "v"):
             names = [f"model.layers.{i}.{name.format(kind)}" for name in _NAMES]
             name = next((n for n in names if n in reader.entries), None)
             value = 1.0 if name is None else float(reader.read(name).float().reshape(-1)[0])
-            if value <= 0 or value != value:
+            if not value > 0:  # NaN too
                 raise ValueError(f"model: KV cache scale {name} is {value}, not > 0")
             scales.append(torch.tensor(value, dtype=torch.float32, device=device))
-        from_checkpoint = all(
-            any(f"model.layers.{i}.{n.format(kind)}" in reader.entries for n in _NAMES)
-            for kind in ("k", "v")
-        )
+            found += name is not None
         attention = layer.self_attn
         attention.kv_scales = (scales[0], scales[1])
-        attention.kv_scales_from_checkpoint = from_checkpoint
+        attention.kv_scales_from_checkpoint = found == 2
 
 
 def measure_missing_kv_scales(decoder: nn.Module) -> None:
