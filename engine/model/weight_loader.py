@@ -17,7 +17,7 @@ import torch
 from engine.core.errors import InvalidParam
 from engine.model.checkpoint_reader import CheckpointReader, read_index
 from engine.model.decoder import Decoder
-from engine.model.linear_layers import LINEARS
+from engine.model.linear_layers import LINEARS, part_sizes
 from engine.model.loader import DecoderSpec, check_model_dir
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import Shard, SliceOf, checkpoint_slices, shard_spec
@@ -118,9 +118,6 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
     """HF weight name -> the tensor (or row slice of a fused tensor) it is read into.
     Quantized layers' weights are not listed (engine/quant/loading.py reads them); their
     biases are."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    inter = spec.intermediate_size
-    sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (inter, inter)}
     targets: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(decoder.layers):
         src = f"model.layers.{i}."
@@ -131,7 +128,7 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
                 kinds.append("weight")
             for kind in kinds:
                 fused = getattr(linear, kind).data
-                rows = _row_slices(*sizes.get(module, (len(fused),)))
+                rows = _row_slices(*part_sizes(spec, module)[0])
                 for part, part_rows in zip(parts, rows, strict=True):
                     targets[f"{src}{part}.{kind}"] = fused[part_rows]
         attn = layer.self_attn

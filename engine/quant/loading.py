@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.core.errors import InvalidParam
 from engine.model.checkpoint_reader import CheckpointReader
-from engine.model.linear_layers import LINEARS
+from engine.model.linear_layers import LINEARS, part_sizes
 from engine.model.loader import DecoderSpec
 from engine.model.sharding import Shard, SliceOf
 from engine.quant.fp8 import FP8, quantize_rows
@@ -46,18 +46,6 @@ class LinearPart:
         return self.shard.rank * length, length
 
 
-def _part_sizes(spec: DecoderSpec, module: str) -> tuple[list[int], int]:
-    """(output rows of each checkpoint part, input columns) in the full model."""
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    inter, hidden = spec.intermediate_size, spec.hidden_size
-    return {
-        "self_attn.qkv_proj": ([q, kv, kv], hidden),
-        "self_attn.o_proj": ([hidden], q),
-        "mlp.gate_up_proj": ([inter, inter], hidden),
-        "mlp.down_proj": ([hidden], inter),
-    }[module]
-
-
 def quantize_modules(
     decoder: nn.Module, full: DecoderSpec, scheme: QuantScheme, shard: Shard
 ) -> dict[QuantizedLinear, list[LinearPart]]:
@@ -76,7 +64,7 @@ def quantize_modules(
                     "quantization_config.ignore",
                     f"model: {hf} are fused in one layer, but only some are quantized",
                 )
-            sizes, k = _part_sizes(full, module)
+            sizes, k = part_sizes(full, module)
             world = shard.world_size
             parts, start = [], 0
             for name, n in zip(hf, sizes, strict=True):
