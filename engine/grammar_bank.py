@@ -16,7 +16,7 @@ import torch
 from engine.core.errors import InvalidParam
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import StructuredOutput
-from engine.transfers import to_device
+from engine.sampling.transfers import to_device
 
 # JSON is generated compact (", " and ": " between items, no other whitespace): a model free
 # to put whitespace between any two tokens can fill max_tokens with it, and often does.

@@ -27,8 +27,8 @@ from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.loader import read_spec
-from engine.sampler import Sampler
-from engine.token_draw import draw_by_search, draw_by_sort
+from engine.sampling.sampler import Sampler
+from engine.sampling.token_draw import draw_by_search, draw_by_sort
 from loadtests.workload import resolve_model
 
 

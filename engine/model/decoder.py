@@ -21,7 +21,7 @@ from engine.model.loader import DecoderSpec
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from engine.runner.tensor_parallel import TensorParallel
+    from engine.model.collectives import TensorParallel
 
 # Feature-major GEMMs win at decode batch sizes and not at prefill sizes, where the layout
 # transposes cost more than they save (docs/cpu-kernels.md).

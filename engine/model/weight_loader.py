@@ -27,7 +27,7 @@ from engine.quant.loading import load_quantized, quantize_modules
 from engine.quant.scheme import QuantScheme, online_fp8
 
 if TYPE_CHECKING:
-    from engine.runner.tensor_parallel import TensorParallel
+    from engine.model.collectives import TensorParallel
 
 
 def load_decoder(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest
-from engine.transfers import to_device
+from engine.sampling.transfers import to_device
 
 
 def _unknown_rows(order: list[ScheduledRequest]) -> list[int]:

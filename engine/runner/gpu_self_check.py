@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import token_draw
 from engine.attention.base import FP8_KV, BatchLayout
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.sampling_params import SamplingParams
@@ -30,6 +29,7 @@ from engine.quant.linear import (
     reference_kernel,
 )
 from engine.runner.decode_inputs import decode_forward
+from engine.sampling import token_draw
 
 if TYPE_CHECKING:
     from engine.runner.torch_runner import TorchModelRunner

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.outputs import ModelRunnerOutput
-from engine.logprobs import PromptLogprobs, SampledLogprobs
-from engine.transfers import to_host
+from engine.sampling.logprobs import PromptLogprobs, SampledLogprobs
+from engine.sampling.transfers import to_host
 
 if TYPE_CHECKING:
     from engine.grammar_bank import GrammarBank

@@ -2,8 +2,7 @@
 schedules and samples); ranks 1..N-1 are worker processes it starts, each running the same
 forward on its shard (engine/model/sharding.py) for every step rank 0 sends them.
 
-Collectives go through a process group of our own (gloo on the CPU, NCCL on CUDA), not
-torch.distributed's global one, so a process may hold several engines (tests do). Steps go
+The collectives (engine/model/collectives.py) sit below the decoder, which calls them. Steps go
 to the workers over socket pairs as plain data: a worker waits on its socket however long the
 engine is idle, and ends when rank 0's process is gone (the connection closes).
 """
@@ -17,63 +16,14 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from engine.model.sharding import Shard
 
 logger = logging.getLogger(__name__)
-
-# A collective waits this long for the other ranks (a step's slowest layer, not idle time:
-# workers wait for steps on their sockets). A hung rank shows before that in the replica's
-# health (step_timeout_s).
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-
-
-class TensorParallel:
-    """One rank's collectives over the ranks of its engine."""
-
-    def __init__(self, shard: Shard, store: dist.Store, device: torch.device) -> None:
-        self.shard = shard
-        self.device = device
-        store = dist.PrefixStore("dynabatch-tp", store)
-        rank, size = shard.rank, shard.world_size
-        if device.type == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            self._group = dist.ProcessGroupNCCL(store, rank, size, options)
-        else:
-            self._group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
-
-    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """The elementwise reduction over ranks (in place where `t` is contiguous)."""
-        t = t.contiguous()
-        options = dist.AllreduceOptions()
-        options.reduceOp = op
-        self._group.allreduce([t], options).wait()
-        return t
-
-    def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
-        """[rows, c] on each rank -> [rows, N x c], rank 0's columns first."""
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.shard.world_size)]
-        self._group.allgather([parts], [t]).wait()
-        return torch.cat(parts, dim=1)
-
-    def broadcast(self, t: torch.Tensor) -> None:
-        """Rank 0's `t` into every rank's `t` (contiguous, the same shape and dtype)."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self._group.broadcast([t], options).wait()
-
-    def min(self, value: int) -> int:
-        """The least of every rank's `value` (e.g. the KV blocks each rank's memory holds)."""
-        mine = torch.tensor([value], device=self.device)  # NCCL reduces device tensors only
-        return int(self.all_reduce(mine, dist.ReduceOp.MIN).item())
 
 
 class RankWorkers:

@@ -21,7 +21,7 @@ from engine.core.outputs import (
 )
 from engine.cpu.host_memory import keep_freed_memory_in_heap
 from engine.grammar_bank import GrammarBank
-from engine.logprobs import PromptLogprobs
+from engine.model.collectives import TensorParallel
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
@@ -35,9 +35,10 @@ from engine.runner.kv_budget import kv_cache_budget, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
 from engine.runner.launched_step import DeviceClock, LaunchedStep
-from engine.runner.tensor_parallel import RankedStep, RankWorkers, TensorParallel
-from engine.sampler import Sampler
-from engine.transfers import to_device
+from engine.runner.tensor_parallel import RankedStep, RankWorkers
+from engine.sampling.logprobs import PromptLogprobs
+from engine.sampling.sampler import Sampler
+from engine.sampling.transfers import to_device
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 _REPORT = "loaded = sorted(n for n in ('torch', 'ray', 'transformers') if n in sys.modules)\n"
 
@@ -31,3 +33,29 @@ def test_simulator_and_policies_import_neither_torch_nor_ray():
         "import engine.runner.cost_model\n"
     )
     assert heavy_modules_after(imports) == ""
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file names in an import, TYPE_CHECKING blocks included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_model_sampling_and_kernels_sit_below_the_runner():
+    """The runner builds on the decoder, the sampler and the kernels; none of them imports
+    the runner back (not even for type hints), so there is no import circle to break."""
+    root = Path(__file__).resolve().parents[2] / "engine"
+    below = ["model", "sampling", "quant", "attention", "cpu", "core"]
+    offenders = [
+        f"{path.relative_to(root.parent)} imports {name}"
+        for package in below
+        for path in sorted((root / package).glob("*.py"))
+        for name in _imported_modules(path)
+        if name.startswith("engine.runner")
+    ]
+    assert offenders == []

@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 
 from engine.attention import triton_kernels
 from engine.quant.dequant_gemm_kernel import _dequant_gemm
-from engine.token_draw_kernel import _draw
+from engine.sampling.token_draw_kernel import _draw
 
 H100 = GPUTarget("cuda", 90, 32)
 

@@ -12,8 +12,8 @@ import torch
 
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
-from engine.draws import uniforms
-from engine.sampler import Sampler, adjust_logits
+from engine.sampling.draws import uniforms
+from engine.sampling.sampler import Sampler, adjust_logits
 
 
 def _request(rid: str, params: SamplingParams, n: int = 0) -> ScheduledRequest:

@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.token_draw import draw_by_sort, thresholds_by_sort  # noqa: E402
+from engine.sampling.token_draw import draw_by_sort, thresholds_by_sort  # noqa: E402
 
 VOCAB = 1500
 # (top_k, top_p, min_p): each filter alone, combined, at its extremes, and none.
@@ -50,7 +50,7 @@ def _kept(logits: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_kernel_keeps_and_draws_what_the_sorted_definition_does():
-    from engine.token_draw_kernel import draw
+    from engine.sampling.token_draw_kernel import draw
 
     params = [
         SamplingParams(temperature=t, top_k=k if k < VOCAB else 0, top_p=p, min_p=m)

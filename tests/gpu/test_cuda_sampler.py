@@ -11,9 +11,9 @@ import torch
 
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
-from engine.sampler import Sampler
-from engine.token_draw import columns, draw_by_sort, thresholds_by_sort
-from engine.token_draw_kernel import draw
+from engine.sampling.sampler import Sampler
+from engine.sampling.token_draw import columns, draw_by_sort, thresholds_by_sort
+from engine.sampling.token_draw_kernel import draw
 
 pytestmark = [
     pytest.mark.gpu,

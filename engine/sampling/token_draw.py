@@ -5,8 +5,8 @@ Filters: top-k, then top-p over what top-k kept, and min-p (a ratio to the most 
 which no filter drops). They give each row one threshold, and the row keeps every token whose
 logit is at least it: tokens tied at the boundary stay or go together, so what a row keeps
 depends only on its own logits, never on the batch. On CUDA one Triton kernel draws every row
-without sorting (engine/token_draw_kernel.py); elsewhere, and as the definition that kernel is
-tested against, each filtered row is sorted.
+without sorting (engine/sampling/token_draw_kernel.py); elsewhere, and as the definition that
+kernel is tested against, each filtered row is sorted.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.core.sampling_params import SamplingParams
-from engine.transfers import to_device
+from engine.sampling.transfers import to_device
 
 
 def draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
 def draw_by_search(
     logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
 ) -> torch.Tensor:
-    from engine.token_draw_kernel import draw as kernel
+    from engine.sampling.token_draw_kernel import draw as kernel
 
     return kernel(logits, *columns(params, logits.shape[-1], logits.device), u)[0]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.outputs import ScheduledRequest, TokenLogprob
-from engine.transfers import to_device, to_host
+from engine.sampling.transfers import to_device, to_host
 
 
 class TokenLogprobs:

@@ -1,10 +1,10 @@
 """Turn the logits of one step into one token per sampled request, on the logits' device.
 
 Greedy rows reduce with one argmax. Random rows are sampled batched, each by inverse CDF
-with one counter-based uniform (engine/draws.py): a request's n-th token depends only on its
-logits, its parameters and (seed, n), never on the rest of the batch: among the tokens
-its filters keep, in vocabulary order (engine/token_draw.py; on CUDA one kernel for all the
-random rows, without a sort). Only the token ids cross to the host.
+with one counter-based uniform (engine/sampling/draws.py): a request's n-th token depends
+only on its logits, its parameters and (seed, n), never on the rest of the batch: among the
+tokens its filters keep, in vocabulary order (engine/sampling/token_draw.py; on CUDA one
+kernel for all the random rows, without a sort). Only the token ids cross to the host.
 
 Penalties and logit biases adjust the rows that ask for them first, batched (one index_put
 per kind over the step's token lists); a step in which no request uses them pays nothing.
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import token_draw
 from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest, TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.cpu.decoder_ops import argmax_last_dim
-from engine.draws import uniforms
-from engine.logprobs import SampledLogprobs
-from engine.transfers import to_device
+from engine.sampling import token_draw
+from engine.sampling.draws import uniforms
+from engine.sampling.logprobs import SampledLogprobs
+from engine.sampling.transfers import to_device
 
 if TYPE_CHECKING:
     from engine.grammar_bank import GrammarBank

@@ -1,5 +1,5 @@
-"""A step's sampled rows drawn on the GPU in one kernel, without a sort (engine/token_draw.py
-holds the definition, by sort, that it is tested against).
+"""A step's sampled rows drawn on the GPU in one kernel, without a sort
+(engine/sampling/token_draw.py holds the definition, by sort, that it is tested against).
 
 One Triton program per row reads the row's logits, temperature applied as they load, and
 finds the lowest logit its filters keep by searching the float32 values as ordered 32-bit
@@ -172,7 +172,7 @@ def draw(
     u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 tokens [rows], and the float32 thresholds (the lowest logit each row kept,
-    temperature applied). Arguments as in engine/token_draw.py's `draw_by_sort`."""
+    temperature applied). Arguments as in engine/sampling/token_draw.py's `draw_by_sort`."""
     rows, vocab = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
