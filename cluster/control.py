@@ -189,6 +189,8 @@ class ClusterControl:
                     "kv_blocks_total": sched.num_total_blocks,
                     "kv_usage": round(sched.kv_usage, 4),
                     "preemptions_total": sched.num_preemptions_total,
+                    # Speculative decoding: the share of drafted tokens accepted (null: off).
+                    "spec_acceptance": sched.spec.acceptance_rate if sched.spec else None,
                     "rejected_total": s.num_rejected_total,
                     "decode": asdict(s.decode) if s.decode else None,
                     "ttft": asdict(s.ttft),

@@ -19,13 +19,15 @@ from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_poli
 from cluster.request_records import RequestRecord, Slo, summarize_records
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.engine_core import EngineCore
+from engine.core.fixed_proposers import SimulatedDrafts
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.policy import BatchingPolicy, ExternalLimits
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.speculator import Speculator
 from engine.runner.cost_model import CostModelRunner, CostParams, GpuSpec, ModelSpec
 
 
@@ -65,6 +67,9 @@ class SimConfig:
     sla: SlaConfig = field(default_factory=SlaConfig)
     slo: Slo = field(default_factory=Slo)
     kv_sample_every: int = 50  # steps between KV-usage samples in the time series
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # With speculation on: the chance a draft counts (while the drafts before it did).
+    spec_acceptance: float = 0.7
 
     @classmethod
     def for_engine(
@@ -77,6 +82,7 @@ class SimConfig:
             scheduler = replace(scheduler, max_model_len=SIM_SCHEDULER.max_model_len)
         cache = replace(engine.cache, enable_prefix_caching=False)
         tp_model = model.with_tp(engine.tensor_parallel_size).quantized(engine.quantization)
+        changes.setdefault("speculative", engine.speculative)
         return cls(tp_model, gpu, scheduler=scheduler, cache=cache, **changes)
 
     def with_scheduler(self, **changes: Any) -> SimConfig:
@@ -130,13 +136,20 @@ class SimReplica:
         c = self.config = config
         self.clock = VirtualClock(start_s)
         self.runner = CostModelRunner(
-            c.model, c.gpu, self.clock, c.cost, c.cache, c.scheduler.max_model_len
+            c.model,
+            c.gpu,
+            self.clock,
+            c.cost,
+            c.cache,
+            c.scheduler.max_model_len,
+            spec_acceptance=c.spec_acceptance,
         )
         kv = KVCacheManager(
             self.runner.num_kv_blocks(), c.cache.block_size, c.cache.enable_prefix_caching
         )
         sched_config = c.scheduler
-        self.scheduler = Scheduler(sched_config, kv, self.clock)
+        speculator = Speculator(c.speculative, SimulatedDrafts()) if c.speculative.enabled else None
+        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator)
         # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
         policy: BatchingPolicy | None = (
             None

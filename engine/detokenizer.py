@@ -47,6 +47,21 @@ class IncrementalDetokenizer:
         self.emitted += len(delta)
         return delta, stopped
 
+    def update_stepwise(self, new_token_ids: list[int], finished: bool) -> tuple[str, bool, int]:
+        """`update`, a token at a time where stop strings apply, stopping at the token that
+        completes one (a step may bring several tokens: speculative decoding). Returns the
+        text delta, whether a stop string was hit, and how many of the tokens it took."""
+        n = len(new_token_ids)
+        if n <= 1 or not self.stop:
+            return (*self.update(new_token_ids, finished), n)
+        text = ""
+        for taken, token in enumerate(new_token_ids, start=1):
+            delta, stopped = self.update([token], finished and taken == n)
+            text += delta
+            if stopped:
+                return text, True, taken
+        return text, False, n
+
     def _find_stop(self, start_len: int) -> bool:
         if not self.stop:
             return False

@@ -16,6 +16,8 @@ from engine.core.policy import BatchingPolicy
 from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_state import check_request
+from engine.core.speculator import Speculator
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar_bank import GrammarBank
 from engine.model.stop_tokens import eos_token_ids
@@ -77,7 +79,8 @@ class LLMEngine:
             num_host_blocks=runner.num_host_blocks() if swap else 0,
         )
         self.clock = clock or MonotonicClock()
-        self.scheduler = Scheduler(sched_config, kv, self.clock)
+        speculator = Speculator(config.speculative) if config.speculative.enabled else None
+        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)
         self._tracked: dict[str, _Tracked] = {}
         self._grammars: GrammarBank | None = None  # made for the first structured request
@@ -127,7 +130,7 @@ class LLMEngine:
         if params.structured is not None:  # compiled here, off the step loop (and cached)
             self.grammar_bank(params.structured.param).compile(params.structured)
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
-        self.scheduler.check_request(request)
+        check_request(self.scheduler, request)
         if resume is not None:
             done = resume.output_token_ids
             ended = request.stop_token_ids.intersection(done[-1:])  # its last token ends it
@@ -228,7 +231,10 @@ class LLMEngine:
             tracked = self._tracked.get(core.request_id)
             if tracked is None:
                 continue
-            text, hit_stop = tracked.detokenizer.update(core.new_token_ids, core.finished)
+            new_ids = core.new_token_ids
+            text, hit_stop, taken = tracked.detokenizer.update_stepwise(new_ids, core.finished)
+            dropped = len(new_ids) - taken  # after a stop string, within one step
+            new_ids = new_ids[:taken]
             # The grammar's document is whole: it ends the request (even with ignore_eos).
             grammars = self._grammars
             hit_stop = hit_stop or (grammars is not None and grammars.terminated(core.request_id))
@@ -241,19 +247,19 @@ class LLMEngine:
             outputs.append(
                 RequestOutput(
                     request_id=core.request_id,
-                    new_token_ids=core.new_token_ids,
+                    new_token_ids=new_ids,
                     new_text=text,
                     finished=finish_reason is not None,
                     finish_reason=finish_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    num_output_tokens=req.num_output_tokens,
+                    num_output_tokens=req.num_output_tokens - dropped,
                     queue_time_s=(
                         req.first_scheduled_time - req.arrival_time
                         if finish_reason is not None and req.first_scheduled_time is not None
                         else None
                     ),
                     num_preemptions=req.num_preemptions,
-                    logprobs=_logprobs_of(result.logprobs, core.request_id, core.new_token_ids),
+                    logprobs=_logprobs_of(result.logprobs, core.request_id, new_ids),
                     prompt_logprobs=tracked.take_prompt_logprobs(),
                 )
             )

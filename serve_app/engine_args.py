@@ -1,6 +1,6 @@
 """deploy.yaml's `engine:` section: every knob of the engine's core records but the model,
 flat, under the same name, with the same default and description (engine/core/config.py
-defines each once)."""
+defines each once); speculative decoding's knobs are one block of their own, `speculative:`."""
 
 from __future__ import annotations
 
@@ -10,19 +10,40 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 _ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
-_NOT_ENGINE_ARGS = {"model", "cache", "scheduler"}
+_NOT_ENGINE_ARGS = {"model", "cache", "scheduler", "speculative"}
 
 
-def _engine_fields() -> dict[str, Any]:
+def _fields_of(*records: type) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    for record in _ENGINE_RECORDS:
+    for record in records:
         hints = typing.get_type_hints(record)
         for f in dataclasses.fields(record):
             if f.name not in _NOT_ENGINE_ARGS:
                 fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
+    return fields
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+SpeculativeArgs = create_model(
+    "SpeculativeArgs",
+    __base__=_Strict,
+    __doc__=SpeculativeConfig.__doc__,
+    **_fields_of(SpeculativeConfig),
+)
+
+
+def _engine_fields() -> dict[str, Any]:
+    fields = _fields_of(*_ENGINE_RECORDS)
+    fields["speculative"] = (
+        SpeculativeArgs,
+        Field(default_factory=SpeculativeArgs, description=SpeculativeConfig.__doc__),
+    )
     return fields
 
 
@@ -43,6 +64,7 @@ class _EngineArgsBase(BaseModel):
             model=model,
             cache=CacheConfig(**take(CacheConfig)),
             scheduler=SchedulerConfig(**take(SchedulerConfig)),
+            speculative=SpeculativeConfig(**values["speculative"]),
             **take(EngineConfig),
         )
 

@@ -200,6 +200,7 @@ class _EngineCollector:
                 if stats.metrics is not None or name not in ("prompt_tokens", "generation_tokens"):
                     family.add_metric(labels, float(value(stats)))
             yield family
+        yield from _spec_decode_families(rows)
         success = CounterMetricFamily(
             "dynabatch:request_success",
             "Finished requests by finish reason.",
@@ -222,6 +223,32 @@ class _EngineCollector:
                 doc,
                 [(labels, getattr(s.metrics, attr)) for labels, s, _ in rows if s.metrics],
             )
+
+
+def _spec_decode_families(rows):
+    """Speculative decoding's counters, as vLLM's spec_decode_* (replicas that speculate)."""
+    counters = {
+        "num_drafts": "Rows whose drafts were verified.",
+        "num_draft_tokens": "Draft tokens verified.",
+        "num_accepted_tokens": "Draft tokens accepted.",
+    }
+    speculating = [(labels, s.scheduler.spec) for labels, s, _ in rows if s.scheduler.spec]
+    for name, doc in counters.items():
+        family = CounterMetricFamily(
+            f"dynabatch:spec_decode_{name}", doc, labels=["model_name", "replica"]
+        )
+        for labels, spec in speculating:
+            family.add_metric(labels, float(getattr(spec, name)))
+        yield family
+    per_position = CounterMetricFamily(
+        "dynabatch:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0: first).",
+        labels=["model_name", "replica", "position"],
+    )
+    for labels, spec in speculating:
+        for position, n in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*labels, str(position)], float(n))
+    yield per_position
 
 
 def render_engine_metrics(model_name: str, latest) -> bytes:

@@ -37,12 +37,14 @@ def build_engine(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
+    speculative: dict | None = None,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields.
     `deferred_steps`: steps stay in flight until collected, as a GPU's: True computes them
-    then, "at_launch" at launch (tests/engine/deferred_runner.py)."""
-    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    then, "at_launch" at launch (tests/engine/deferred_runner.py). `speculative`: the
+    SpeculativeConfig's fields (speculation on)."""
+    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from engine.llm_engine import LLMEngine
     from tests.engine.deferred_runner import DeferredRunner, InFlightRunner
 
@@ -64,6 +66,9 @@ def build_engine(
         overlap_steps=overlap_steps,
         enforce_eager=enforce_eager,
         quantization=quantization,
+        speculative=SpeculativeConfig(**{"enabled": True, **speculative})
+        if speculative is not None
+        else SpeculativeConfig(),
     )
     runners = {True: DeferredRunner, "at_launch": InFlightRunner}
     runner = runners[deferred_steps](config) if deferred_steps else None

@@ -20,6 +20,8 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton", "flashinfer"]
 OnlineQuantization = Literal["fp8"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
+SpeculativeMethod = Literal["ngram"]
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def knob(default: Any, doc: str) -> Any:
@@ -159,6 +161,55 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens, one step verifies them all."""
+
+    enabled: bool = knob(False, "Draft tokens and verify them with the target model.")
+    method: SpeculativeMethod = knob(
+        "ngram",
+        "ngram: drafts are the tokens that followed the latest earlier occurrence of the "
+        "request's last n tokens (prompt and output; n from prompt_lookup_max down to "
+        "prompt_lookup_min), as vLLM's ngram method. Output is unchanged, token for token, "
+        "at any temperature: each drafted position draws the target with its own counter and "
+        "a draft counts while it equals that draw.",
+    )
+    num_speculative_tokens: int = knob(
+        4, f"Most tokens drafted per request per step (1 to {MAX_SPECULATIVE_TOKENS})."
+    )
+    prompt_lookup_min: int = knob(2, "ngram: the shortest suffix looked up (>= 1).")
+    prompt_lookup_max: int = knob(4, "ngram: the longest suffix looked up (>= prompt_lookup_min).")
+    adaptive: bool = knob(
+        True,
+        "Draft per request what pays: each request's drafts from its recent acceptance rate "
+        "and the replica's measured step time against tokens per step, so speculation turns "
+        "itself off where verifying costs more than it saves (large batches, low acceptance). "
+        "false: always num_speculative_tokens.",
+    )
+    disable_by_batch_size: int | None = knob(
+        None,
+        "No drafts in a step whose running batch is larger than this. Null: only the "
+        "adaptive rule decides.",
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method in get_args(SpeculativeMethod), "speculative.method", "ngram", self.method
+        )
+        k = self.num_speculative_tokens
+        _check(
+            isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+            "speculative.num_speculative_tokens",
+            f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
+            k,
+        )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        _check(low >= 1, "speculative.prompt_lookup_min", ">= 1", low)
+        _check(high >= low, "speculative.prompt_lookup_max", ">= prompt_lookup_min", high)
+        limit = self.disable_by_batch_size
+        _check(limit is None or limit >= 1, "speculative.disable_by_batch_size", ">= 1", limit)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an LLMEngine over a local HF checkpoint directory."""
 
@@ -219,6 +270,7 @@ class EngineConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _check(

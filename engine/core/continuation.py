@@ -24,6 +24,8 @@ def schedule_continuation(
     the host."""
     if scheduler.waiting and scheduler._may_admit():
         return None
+    if scheduler.speculator is not None:  # how far each request gets is not known yet
+        return None
     requests = scheduler.requests
     running = RequestStatus.RUNNING
     live = [

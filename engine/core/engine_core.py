@@ -27,6 +27,7 @@ from engine.core.outputs import (
     TokenLogprob,
 )
 from engine.core.policy import BatchingPolicy
+from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class EngineCore:
             return self._failed(sched_out, exc)
         # From its launch, or from the step before's end where it ran behind that step.
         now = self.clock.now()
-        self.scheduler.steps.executed(now - max(started, self._last_collected))
+        self.scheduler.executed(sched_out, now - max(started, self._last_collected))
         self._last_collected = now
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         return StepResult(
@@ -137,7 +138,12 @@ class EngineCore:
             len(sched_out.scheduled),
             exc_info=exc,
         )
-        return StepResult(self.scheduler.fail_step(sched_out), repr(exc))
+        # The runner raised on this step: its requests end with an error, the rest go on.
+        scheduler = self.scheduler
+        ids = [s.request_id for s in sched_out.scheduled if s.request_id in scheduler.requests]
+        scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        reason = RequestStatus.FINISHED_ERROR.finish_reason
+        return StepResult([EngineCoreOutput(rid, [], reason) for rid in ids], repr(exc))
 
 
 @dataclass

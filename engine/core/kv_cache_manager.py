@@ -87,6 +87,20 @@ class KVCacheManager:
         self._block_ids[rid].extend(new_ids)
         return new_ids
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past those the request's tokens need (the lookahead slots
+        of drafts that were rejected; none of them is full of computed tokens, so none is
+        in the prefix cache)."""
+        rid = request.request_id
+        keep = cdiv(request.num_tokens, self.block_size)
+        table = self._blocks.get(rid)
+        if table is None or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        del self._block_ids[rid][keep:]
+        self.pool.release(extra)
+
     # ------------------------------------------------------------------ prefix caching
     def match_prefix(self, request: Request) -> list[KVCacheBlock]:
         """The cached blocks that hold the request's leading tokens (not yet referenced); none

@@ -35,6 +35,10 @@ class ScheduledRequest:
     # computed): the prompt tokens this step's positions predict, one per position from the
     # first.
     prompt_targets: list[int] | None = None
+    # Speculative decoding: the last num_drafts of token_ids are drafts. Every position from
+    # the request's last token on is sampled, each with its own counter, and the drafts
+    # count while they equal those draws (engine/sampling/verification.py).
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +71,16 @@ class ScheduledRequest:
             request.all_token_ids if sample and params.penalized else None,
             targets,
         )
+
+    @classmethod
+    def speculative(
+        cls, request: Request, drafts: list[int], block_ids: list[int]
+    ) -> ScheduledRequest:
+        """A decoding request's last token followed by its drafts."""
+        row = cls.of(request, 1, block_ids)
+        row.token_ids = row.token_ids + drafts
+        row.num_drafts = len(drafts)
+        return row
 
 
 @dataclass
@@ -106,6 +120,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # requests that ask
     # Requests that ask for prompt logprobs: (prompt position of the first, one per position).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Rows with drafts: the accepted drafts, then the target's own next token (1 to k+1
+    # tokens; sampled_token_ids does not hold these requests).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):
@@ -224,6 +241,24 @@ class SchedulerStats:
     num_swapped: int = 0  # requests whose KV waits in the host pool
     num_swap_outs_total: int = 0
     num_free_host_blocks: int = 0
+    spec: SpecDecodeStats | None = None  # with speculative decoding on
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's running totals, under vLLM's metric names: verified draft
+    groups, drafted and accepted tokens, and accepted tokens by position (0: a first
+    draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_steps_off: int = 0  # steps in which the adaptive rule drafted nothing
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 class _DeltaQueue(Protocol):

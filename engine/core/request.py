@@ -96,6 +96,20 @@ class Request:
         self.num_tokens = len(self.all_token_ids)
         self.num_output_tokens = len(resume.output_token_ids)
 
+    def append_outputs(
+        self, tokens: list[int], max_model_len: int
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append output tokens in order up to the first that ends the request; returns those
+        appended and how it ended (None while it goes on)."""
+        for taken, token in enumerate(tokens, start=1):
+            self.all_token_ids.append(token)
+            self.num_tokens += 1
+            self.num_output_tokens += 1
+            status = self.stop_status(token, max_model_len)
+            if status is not None:
+                return tokens[:taken], status
+        return tokens, None
+
     def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
         """How the request ends with `token` just appended; None while it goes on."""
         params = self.sampling_params

@@ -61,6 +61,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # Every token the grammar allows, and the request ends at its accept state.
     structured: StructuredOutput | None = None
+    # False: never drafted for, where the engine speculates (the output is the same either
+    # way; a request may still want steady per-token latency).
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

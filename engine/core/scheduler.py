@@ -17,9 +17,11 @@ from engine.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from engine.core.preemption import preempt
 from engine.core.request import Request, RequestStatus
 from engine.core.request_order import POLICY_KEYS, RESUME_GRACE_STEPS, aging_order, pick_victim
-from engine.core.scheduler_state import check_integrity, scheduler_stats
+from engine.core.scheduler_state import check_integrity, check_request, scheduler_stats
+from engine.core.speculator import Speculator
 from engine.core.step_stats import StepStats
 
 
@@ -34,9 +36,14 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, clock: Clock | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        clock: Clock | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
+        self.speculator = speculator  # drafts for decoding requests (speculative decoding)
         self.kv_cache = kv_cache
         self.clock = clock or MonotonicClock()
         self.limits = config.limits()
@@ -62,31 +69,12 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise InvalidParam("request_id", f"request_id {rid!r} is already in use")
-        self.check_request(request)
+        check_request(self, request)
         request.arrival_time = request.arrival_time or self.clock.now()
         request.seq = self._num_added
         self._num_added += 1
         self.requests[rid] = request
         self.waiting.append(request)
-
-    def check_request(self, request: Request) -> None:
-        """Raise InvalidParam if the request could never run here. Reads only the config."""
-        if request.num_prompt_tokens < 1:
-            raise InvalidParam("prompt", "prompt must contain at least one token")
-        total = request.num_prompt_tokens + request.sampling_params.max_tokens
-        if total > self.config.max_model_len:
-            raise InvalidParam(
-                "prompt",
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
-                f"({self.config.max_model_len})",
-            )
-        if self.kv_cache.blocks_needed(total) > self.kv_cache.num_blocks:
-            raise InvalidParam(
-                "prompt",
-                f"prompt + max_tokens ({total} tokens) needs more KV blocks than the cache "
-                f"holds ({self.kv_cache.num_blocks} of {self.kv_cache.block_size} tokens)",
-            )
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests early (abort, stop string, error); unknown or ended ids are ignored."""
@@ -127,6 +115,9 @@ class Scheduler:
         running = self.running
         table_of = kv.block_tables.get
         block_size = kv.block_size
+        spec = self.speculator
+        if spec is not None:
+            spec.begin_step(running)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -134,6 +125,15 @@ class Scheduler:
             n = request.num_tokens - computed
             if n > budget:
                 n = budget
+            # Drafts' slots are a bonus: where they do not fit, the row decodes as usual.
+            drafts = spec.drafts(request, budget) if spec and n == 1 else None
+            if drafts and allocate(request, 1 + len(drafts)) is not None:
+                row = ScheduledRequest.speculative(request, drafts, table_of(request.request_id))
+                scheduled.append(row)
+                num_decodes += 1
+                budget -= row.num_tokens
+                i += 1
+                continue
             table = table_of(request.request_id)
             # Most decode steps fit in the blocks held: skip the allocator (hot path).
             # NOTE: the same test as allocate_slots' "need <= 0" early return.
@@ -204,6 +204,20 @@ class Scheduler:
             request = requests.get(sched.request_id)
             if request is None or request.status is not running:
                 continue  # ended while the step ran
+            if sched.num_drafts:  # its accepted drafts, then the target's next token
+                tokens = runner_output.spec_token_ids[sched.request_id]
+                self.speculator.verified(request.request_id, sched.num_drafts, len(tokens) - 1)
+                request.num_computed_tokens += len(tokens)  # the row's last token + accepted
+                tokens, status = request.append_outputs(tokens, max_model_len)
+                if status is not None:
+                    self._end(request, status)
+                    any_ended = True
+                else:  # the blocks of rejected drafts go back
+                    self.kv_cache.trim(request)
+                    if caching:
+                        cache_full_blocks(request)
+                emit(EngineCoreOutput(request.request_id, tokens, status and status.finish_reason))
+                continue
             n_new = len(sched.token_ids)
             request.num_computed_tokens += n_new
             # A block filled up this step iff the count crossed a block boundary.
@@ -235,13 +249,11 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    def fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        """The runner raised on this step: end its requests with an error, keep the rest."""
-        ids = [s.request_id for s in scheduler_output.scheduled if s.request_id in self.requests]
-        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        return [
-            EngineCoreOutput(rid, [], RequestStatus.FINISHED_ERROR.finish_reason) for rid in ids
-        ]
+    def executed(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The engine's measure of a step it collected (policies and speculation read it)."""
+        self.steps.executed(seconds)
+        if self.speculator is not None and self.steps.last_decode_only:
+            self.speculator.observe_step(scheduler_output.num_batched_tokens, seconds)
 
     # ---------------------------------------------------------------------- inspection
     def stats(self) -> SchedulerStats:
@@ -265,7 +277,7 @@ class Scheduler:
         after it, worst first, as needed. Returns False if `request` itself had to go."""
         while self.kv_cache.allocate_slots(request, n) is None:
             victim = self._pick_victim(position)
-            self._preempt(victim)
+            preempt(self, victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
@@ -274,25 +286,11 @@ class Scheduler:
     def _pick_victim(self, position: int) -> Request:
         return pick_victim(self.running, position, self.num_steps_total - RESUME_GRACE_STEPS)
 
-    def _preempt(self, request: Request) -> None:
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
-        if self.config.preemption_mode == "swap":
-            copies = self.kv_cache.swap_out(request)
-            if copies is not None:  # KV kept on the host; progress kept
-                self._swap_out += copies
-                request.status = RequestStatus.SWAPPED
-                self.num_swap_outs_total += 1
-                return
-        # Recompute (or swap with a full host pool): drop the KV and start over.
-        self.kv_cache.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.num_finished_total[status.value] += 1
         self.kv_cache.free(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         del self.requests[request.request_id]
         self._ended_since_last_step.append(request.request_id)

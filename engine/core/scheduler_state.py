@@ -3,10 +3,12 @@ Python)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from engine.core.errors import InvalidParam
 from engine.core.outputs import SchedulerStats
-from engine.core.request import RequestStatus
+from engine.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.core.scheduler import Scheduler
@@ -39,7 +41,35 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
         num_swapped=len(s.kv_cache.swapped_ids()),
         num_swap_outs_total=s.num_swap_outs_total,
         num_free_host_blocks=s.kv_cache.num_free_host_blocks,
+        spec=_spec_snapshot(s),
     )
+
+
+def _spec_snapshot(s: Scheduler):
+    if s.speculator is None:
+        return None
+    stats = s.speculator.stats
+    return replace(stats, accepted_per_position=list(stats.accepted_per_position))
+
+
+def check_request(s: Scheduler, request: Request) -> None:
+    """Raise InvalidParam if the request could never run on `s`. Reads only the config."""
+    if request.num_prompt_tokens < 1:
+        raise InvalidParam("prompt", "prompt must contain at least one token")
+    total = request.num_prompt_tokens + request.sampling_params.max_tokens
+    if total > s.config.max_model_len:
+        raise InvalidParam(
+            "prompt",
+            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+            f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
+            f"({s.config.max_model_len})",
+        )
+    if s.kv_cache.blocks_needed(total) > s.kv_cache.num_blocks:
+        raise InvalidParam(
+            "prompt",
+            f"prompt + max_tokens ({total} tokens) needs more KV blocks than the cache "
+            f"holds ({s.kv_cache.num_blocks} of {s.kv_cache.block_size} tokens)",
+        )
 
 
 def check_integrity(s: Scheduler) -> None:
@@ -63,3 +93,8 @@ def check_integrity(s: Scheduler) -> None:
     assert s.kv_cache.swapped_ids() == swapped, "host tables out of step with requests"
     # NOTE: only running requests hold blocks; waiting and preempted ones hold none.
     assert s.kv_cache.request_ids() == {r.request_id for r in s.running}, "orphan table"
+    # Between steps no request holds a block its tokens do not need (rejected drafts' slots
+    # go back when they are verified).
+    for r in s.running:
+        held = len(s.kv_cache.block_ids(r.request_id))
+        assert held <= s.kv_cache.blocks_needed(r.num_tokens), f"{r}: {held} blocks held"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: Cost
         n, start = len(s.token_ids), s.num_computed_tokens
         attended += n * start + n * (n + 1) // 2
         context += start + n
-        sampled += s.sample
+        sampled += s.sample + s.num_drafts  # a row with drafts is sampled at each position
     kv_read = context * kv_tok
     linear_flops = 2.0 * model.num_layers * model.layer_params * tokens
     other_flops = (
@@ -251,10 +252,13 @@ class CostModelRunner:
         cache: CacheConfig | None = None,
         max_model_len: int | str = "auto",
         sampled_token_id: int = 1,
+        spec_acceptance: float = 0.0,
     ) -> None:
         """The KV cache holds `cache.num_blocks`, else what `cache.gpu_memory_fraction` of the
         simulated GPUs' memory holds after the weights (a CPU byte budget does not apply).
-        `max_model_len` auto: what the cache holds (a simulated model has no config.json)."""
+        `max_model_len` auto: what the cache holds (a simulated model has no config.json).
+        `spec_acceptance`: with speculative decoding, each draft counts with this probability
+        while the ones before it did (a seeded draw: runs repeat)."""
         cache = cache or CacheConfig()
         model = model.quantized(kv_cache_dtype=cache.kv_cache_dtype)
         self.model, self.gpu, self.clock = model, gpu, clock
@@ -266,6 +270,8 @@ class CostModelRunner:
         self._max_model_len = capacity if max_model_len == "auto" else int(max_model_len)
         self.sampled_token_id = sampled_token_id
         self.busy_seconds = 0.0
+        self.spec_acceptance = spec_acceptance
+        self._acceptance_draws = random.Random(0)
 
     def num_kv_blocks(self) -> int:
         return self._num_blocks
@@ -281,6 +287,14 @@ class CostModelRunner:
         self.clock.advance(cost.seconds)
         self.busy_seconds += cost.seconds
         token = self.sampled_token_id
-        return ModelRunnerOutput(
-            {s.request_id: token for s in scheduler_output.scheduled if s.sample}
-        )
+        sampled, spec = {}, {}
+        for s in scheduler_output.scheduled:
+            if s.num_drafts:
+                accepted = 0
+                draw = self._acceptance_draws.random
+                while accepted < s.num_drafts and draw() < self.spec_acceptance:
+                    accepted += 1
+                spec[s.request_id] = [token] * (accepted + 1)
+            elif s.sample:
+                sampled[s.request_id] = token
+        return ModelRunnerOutput(sampled, spec_token_ids=spec)

@@ -16,6 +16,7 @@ import torch
 from engine.core.outputs import ModelRunnerOutput
 from engine.sampling.logprobs import PromptLogprobs, SampledLogprobs
 from engine.sampling.transfers import to_host
+from engine.sampling.verification import accepted_tokens
 
 if TYPE_CHECKING:
     from engine.grammar_bank import GrammarBank
@@ -55,7 +56,9 @@ class DeviceClock:
 class LaunchedStep:
     """A step's sampled tokens (`tokens`, on the step's device, one per `request_ids`) and
     log-probabilities, all copied to the host behind its kernels. When collected, the tokens
-    go to the grammar matchers of the step's structured rows (`grammars`, where it has any)."""
+    go to the grammar matchers of the step's structured rows (`grammars`, where it has any),
+    and the rows with drafts (`drafts`, whose ids repeat in `request_ids`, once per position)
+    keep what verification accepts."""
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class LaunchedStep:
         grammars: GrammarBank | None = None,
         logprobs: SampledLogprobs | None = None,
         prompt_logprobs: PromptLogprobs | None = None,
+        drafts: dict[str, list[int]] | None = None,
     ) -> None:
         self.request_ids = request_ids
         self._host = to_host(tokens)
@@ -74,6 +78,7 @@ class LaunchedStep:
         self.ready = self._end is None
         self._grammars = grammars
         self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
+        self._drafts = drafts or {}
 
     def result(self) -> ModelRunnerOutput:
         self._clock.settle(self._started, self._end)
@@ -81,8 +86,17 @@ class LaunchedStep:
         if self._grammars is not None:
             self._grammars.accept(self.request_ids, ids)
         logprobs, prompt = self._logprobs, self._prompt_logprobs
+        sampled = dict(zip(self.request_ids, ids, strict=True))
+        spec: dict[str, list[int]] = {}
+        if self._drafts:
+            for rid, token in zip(self.request_ids, ids, strict=True):
+                if rid in self._drafts:
+                    spec.setdefault(rid, []).append(token)
+                    sampled.pop(rid, None)
+            spec = {rid: accepted_tokens(self._drafts[rid], draws) for rid, draws in spec.items()}
         return ModelRunnerOutput(
-            dict(zip(self.request_ids, ids, strict=True)),
+            sampled,
             logprobs.by_request() if logprobs is not None else {},
             prompt.by_request() if prompt is not None else {},
+            spec,
         )

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-from functools import partial
 
 import torch
 from torch.distributed import Store
@@ -35,10 +33,11 @@ from engine.runner.kv_budget import kv_cache_budget, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
 from engine.runner.launched_step import DeviceClock, LaunchedStep
+from engine.runner.packed_inputs import packed_inputs
 from engine.runner.tensor_parallel import RankedStep, RankWorkers
 from engine.sampling.logprobs import PromptLogprobs
 from engine.sampling.sampler import Sampler
-from engine.sampling.transfers import to_device
+from engine.sampling.verification import verification_rows
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +207,8 @@ class TorchModelRunner:
             )
         if not sample:
             return ReadyStep(ModelRunnerOutput({}))
-        sampled = [r for r in order if r.sample]
+        # A row with drafts samples each of its positions (engine/sampling/verification.py).
+        sampled = [v for r in order if r.sample for v in verification_rows(r)]
         prompt_logprobs = None
         if len(logits) > len(sampled):  # rows for prompt logprobs follow the sampled rows
             prompt_logprobs = PromptLogprobs(logits[len(sampled) :], order)
@@ -221,7 +221,10 @@ class TorchModelRunner:
         if grammars is not None and not grammars.holds(sampled):
             grammars = None
         clock = self.device_clock
-        return LaunchedStep(ids, tokens, clock, started, grammars, logprobs, prompt_logprobs)
+        drafts = {r.request_id: r.token_ids[-r.num_drafts :] for r in order if r.num_drafts}
+        return LaunchedStep(
+            ids, tokens, clock, started, grammars, logprobs, prompt_logprobs, drafts
+        )
 
     def _known_inputs(
         self, order: list[ScheduledRequest]
@@ -270,32 +273,4 @@ class TorchModelRunner:
     def prepare_inputs(
         self, order: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout, torch.Tensor]:
-        bs = self.block_size
-        counts = [r.num_tokens for r in order]
-        starts = [r.num_computed_tokens for r in order]
-        offsets = list(itertools.accumulate(counts, initial=0))
-        width = max(len(r.block_ids) for r in order)
-        block_table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in order])
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(r.token_ids for r in order)))
-        req_idx = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(counts))
-        shift = torch.tensor(starts) - torch.tensor(offsets[:-1])
-        positions = torch.arange(offsets[-1]) + shift[req_idx]
-        slots = block_table[req_idx, positions // bs] * bs + positions % bs
-        # The sampled rows, then the rows whose prompt logprobs are asked for.
-        rows = [offsets[i + 1] - 1 for i, r in enumerate(order) if r.sample]
-        for i, r in enumerate(order):
-            if r.prompt_targets:
-                rows += range(offsets[i], offsets[i] + len(r.prompt_targets))
-        logits_indices = torch.tensor(rows, dtype=torch.long)
-        move = partial(to_device, device=self.device)
-        layout = BatchLayout(
-            num_decodes=sum(1 for c in counts if c == 1),
-            query_start_loc=offsets,
-            num_computed=starts,
-            seq_lens=[s + c for s, c in zip(starts, counts, strict=True)],
-            block_table=move(block_table),
-            slot_mapping=move(slots),
-            block_size=bs,
-            sliding_window=self.spec.sliding_window,
-        )
-        return move(input_ids), move(positions), layout, move(logits_indices)
+        return packed_inputs(order, self.block_size, self.spec.sliding_window, self.device)

@@ -1,0 +1,183 @@
+"""Speculative decoding's speedup against acceptance, and the adaptive off-switch at large
+batches, on the real engine; speculation off is measured in the same run.
+
+    python -m loadtests.bench_spec [--model small] [--batches 1,8,32,128]
+        [--acceptances 1,0.8,0.6,0.3,0] [--k 4] [--max-tokens 64] [--json]
+
+Random-weight models say little about real acceptance, so the drafts come from an oracle
+(engine/core/fixed_proposers.ReplayProposer): each request's own greedy output, decoded first
+without speculation, with a set share of the drafted tokens corrupted. For each batch size:
+decode tokens/s and the median time per output token (TPOT) of the decode phase (after every
+request has its first token), without speculation and then with it, adaptive drafting on, at
+each acceptance. Then the ngram proposer on prompts that repeat a phrase, with the acceptance it
+got. With --json the output ends with one JSON object holding `speedup_batch1_acc08` and
+`speedup_batch128` (the least speedup over the acceptances at batch 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core.fixed_proposers import ReplayProposer
+from engine.core.sampling_params import SamplingParams
+from engine.core.speculator import Speculator
+from engine.llm_engine import LLMEngine
+from loadtests.workload import resolve_model
+
+
+def _engine(model: str, args, max_batch: int) -> LLMEngine:
+    spec = SpeculativeConfig(enabled=True, num_speculative_tokens=args.k)
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            cache=CacheConfig(block_size=16, kv_cache_bytes=int(args.kv_cache_gb * 2**30)),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch,
+                max_num_batched_tokens=max(2048, max_batch * (args.k + 1)),
+                max_model_len=args.prompt_len * 3 + args.max_tokens + 16,
+            ),
+            speculative=spec,
+        )
+    )
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int, repeat: bool) -> list[list[int]]:
+    rng = random.Random(seed)
+    if not repeat:
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
+    phrases = [[rng.randrange(vocab) for _ in range(rng.randint(3, 8))] for _ in range(batch)]
+    return [(p * (length // len(p) + 1))[:length] for p in phrases]
+
+
+def decode_phase(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """Run the prompts together; tokens/s and TPOT of the phase after every first token."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    start = None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+        if start is None and len(first) == len(ids):
+            start = now
+    decoded = sum(len(t) - 1 for t in tokens.values())
+    tpot = [(last[r] - first[r]) / (len(tokens[r]) - 1) for r in ids if len(tokens[r]) > 1]
+    return {
+        "tokens": tokens,
+        "tokens_per_s": decoded / (max(last.values()) - start),
+        "tpot_ms": statistics.median(tpot) * 1e3,
+    }
+
+
+def _with(engine: LLMEngine, speculator: Speculator | None) -> LLMEngine:
+    engine.scheduler.speculator = speculator
+    return engine
+
+
+def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
+    """Per acceptance: speculation off, then on, back to back (these hosts drift)."""
+    prompts = _prompts(batch, args.prompt_len, vocab, seed=batch, repeat=False)
+    config = engine.config.speculative
+    rows = {}
+    for acceptance in args.acceptances:
+        tag = f"{batch}-{acceptance}"
+        off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"off-{tag}")
+        outputs = {f"on-{tag}-{i}": t for i, t in enumerate(off["tokens"].values())}
+        speculator = Speculator(config, ReplayProposer(outputs, acceptance, vocab))
+        on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"on-{tag}")
+        assert list(on["tokens"].values()) == list(off["tokens"].values()), "outputs changed"
+        stats = speculator.stats
+        rows[str(acceptance)] = {
+            "tokens_per_s_off": off["tokens_per_s"],
+            "tpot_ms_off": off["tpot_ms"],
+            "tokens_per_s": on["tokens_per_s"],
+            "tpot_ms": on["tpot_ms"],
+            "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+            "acceptance_measured": stats.acceptance_rate,
+            "draft_tokens_per_step": stats.num_draft_tokens / max(1, speculator._num_steps),
+            "steps_off": stats.num_steps_off,
+        }
+    return rows
+
+
+def run_ngram(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
+    prompts = _prompts(batch, args.prompt_len, vocab, seed=99 + batch, repeat=True)
+    off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"ngram-off-{batch}")
+    speculator = Speculator(engine.config.speculative)
+    on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"ngram-on-{batch}")
+    assert list(on["tokens"].values()) == list(off["tokens"].values()), "outputs changed"
+    return {
+        "batch": batch,
+        "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+        "tokens_per_s_off": off["tokens_per_s"],
+        "tokens_per_s_on": on["tokens_per_s"],
+        "acceptance": speculator.stats.acceptance_rate,
+        "draft_tokens": speculator.stats.num_draft_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="tiny, small, or a checkpoint dir")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--acceptances", default="1,0.8,0.6,0.3,0")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ngram-batches", default="1,8")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    args.acceptances = [float(a) for a in args.acceptances.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    model = resolve_model(args.model)
+    engine = _engine(model, args, max(batches))
+    vocab = engine.runner_vocab_size()
+    decode_phase(_with(engine, None), _prompts(2, 16, vocab, 0, False), 8, "warm-up")
+    result: dict = {"model": args.model, "device": args.device, "k": args.k, "batches": {}}
+    for batch in batches:
+        rows = result["batches"][str(batch)] = run_batch(engine, batch, args, vocab)
+        for name, row in rows.items():
+            measured = row["acceptance_measured"]
+            print(
+                f"batch {batch:4d}  acceptance {name:>4}: off {row['tokens_per_s_off']:8.1f} "
+                f"tok/s (TPOT {row['tpot_ms_off']:6.2f} ms), on {row['tokens_per_s']:8.1f} "
+                f"tok/s (TPOT {row['tpot_ms']:6.2f} ms)  x{row['speedup']:.2f}  "
+                f"accepted {'-' if measured is None else f'{measured:.2f}'}, "
+                f"{row['draft_tokens_per_step']:.1f} drafts/step",
+                flush=True,
+            )
+    result["ngram"] = [run_ngram(engine, b, args, vocab) for b in
+                       (int(x) for x in args.ngram_batches.split(","))]  # fmt: skip
+    for row in result["ngram"]:
+        print(f"ngram batch {row['batch']}: x{row['speedup']:.2f}, acceptance "
+              f"{row['acceptance']}", flush=True)  # fmt: skip
+    by_batch = result["batches"]
+    if "1" in by_batch and "0.8" in by_batch["1"]:
+        result["speedup_batch1_acc08"] = by_batch["1"]["0.8"]["speedup"]
+    if "128" in by_batch:
+        result["speedup_batch128"] = min(row["speedup"] for row in by_batch["128"].values())
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

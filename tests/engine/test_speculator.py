@@ -1,0 +1,129 @@
+"""The scheduler's side of speculation, pure Python: prompt lookup, the adaptive rule that
+prices drafts by measured step times and acceptance, the lookahead slots and their return,
+and the counters /metrics reads."""
+
+from __future__ import annotations
+
+from engine.core.config import SchedulerConfig, SpeculativeConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.ngram_proposer import NgramProposer
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.speculator import Speculator, StepTimeModel
+
+
+def request(tokens: list[int], rid: str = "r", max_tokens: int = 50) -> Request:
+    r = Request(rid, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    r.num_output_tokens = 1  # decoding
+    return r
+
+
+def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    # "5 6 7" occurred twice before; the latest is followed by 9 9.
+    r = request([5, 6, 7, 8, 1, 5, 6, 7, 9, 9, 2, 5, 6, 7])
+    assert proposer.propose(r, 2) == [9, 9]
+    assert proposer.propose(r, 5) == [9, 9, 2, 5, 6]
+    r.all_token_ids.append(4)  # "7 4" never occurred; "4" neither
+    assert proposer.propose(r, 3) == []
+    r.all_token_ids += [1]  # "1" occurred after 8 -> 5 6 7
+    assert proposer.propose(r, 3) == [5, 6, 7]
+    assert NgramProposer(2, 2).propose(request([1, 2]), 3) == []
+
+
+def test_ngram_index_keeps_up_incrementally_as_a_full_scan_would():
+    proposer = NgramProposer(min_n=2, max_n=4)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8]
+    r = request(tokens[:3])
+    for t in tokens[3:]:
+        r.all_token_ids.append(t)
+        got = proposer.propose(r, 3)
+        fresh = NgramProposer(2, 4).propose(request(list(r.all_token_ids)), 3)
+        assert got == fresh
+
+
+def test_step_time_fit_reads_intercept_and_slope():
+    model = StepTimeModel()
+    assert model.fit() is None
+    for n in (1, 5, 1, 5, 9, 1):
+        model.observe(n, 0.020 + 0.001 * n)
+    a, b = model.fit()
+    assert abs(a - 0.020) < 1e-9 and abs(b - 0.001) < 1e-9
+
+
+def _speculator(times: tuple[float, float], rates: dict[str, float]) -> Speculator:
+    spec = Speculator(SpeculativeConfig(enabled=True, num_speculative_tokens=4))
+    for n in (1, 40, 1, 40, 200):
+        spec.observe_step(n, times[0] + times[1] * n)
+    for rid, p in rates.items():  # twenty verifications at about that acceptance
+        for i in range(20):
+            spec.verified(rid, 4, 4 if p == 1.0 else int(p * 4 + (i % 2) * 0.5))
+    return spec
+
+
+def test_adaptive_rule_drafts_at_small_batches_and_stops_where_verifying_costs_more():
+    # Weight-bound steps: 5 tokens cost little more than 1. All drafts pay at batch 1.
+    spec = _speculator((0.020, 0.0001), {"a": 0.9})
+    assert spec._plan([request([1], "a")], *spec.times.fit()) == {"a": 4}
+    # Compute-bound steps: each token costs as much as the step's fixed part / 10; a batch
+    # of 64 at acceptance ~0.5 gains nothing from drafts.
+    spec = _speculator((0.020, 0.002), {})
+    batch = [request([1], str(i)) for i in range(64)]
+    for r in batch:
+        for _ in range(20):
+            spec.verified(r.request_id, 4, 1)
+    assert spec._plan(batch, *spec.times.fit()) == {}
+
+
+def test_adaptive_rule_gives_more_drafts_to_requests_that_accept_more():
+    spec = _speculator((0.020, 0.0004), {"good": 1.0, "poor": 0.25})
+    plan = spec._plan([request([1], "good"), request([1], "poor")], *spec.times.fit())
+    assert plan.get("good", 0) > plan.get("poor", 0)
+
+
+def test_lookahead_slots_of_rejected_drafts_go_back_and_are_never_cached():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)
+    speculator = Speculator(SpeculativeConfig(enabled=True, adaptive=False))
+    scheduler = Scheduler(config, kv, speculator=speculator)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # with the output 4: drafts 5 6 7 8
+    scheduler.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=30)))
+    out = scheduler.schedule()  # the prompt
+    scheduler.update_from_output(out, ModelRunnerOutput({"r": 4}))
+    out = scheduler.schedule()
+    (row,) = out.scheduled
+    assert row.token_ids == [4, 5, 6, 7, 8] and row.num_drafts == 4
+    assert len(row.block_ids) == 5  # 13 tokens + 4 drafts = 17 slots
+    # The target agreed on the first draft only: 5, then drew 9 instead of 6.
+    verdict = ModelRunnerOutput({}, spec_token_ids={"r": [5, 9]})
+    (emitted,) = scheduler.update_from_output(out, verdict)
+    assert emitted.new_token_ids == [5, 9]
+    r = scheduler.requests["r"]
+    assert r.all_token_ids == prompt + [4, 5, 9] and r.num_computed_tokens == 14
+    assert len(kv.block_ids("r")) == 4  # 15 tokens need 4 blocks: the fifth went back
+    scheduler.check_integrity()
+    cached = [b.block_hash for b in kv.pool.blocks if b.block_hash is not None]
+    assert len(cached) == 3  # the full blocks of computed tokens, none past them
+    stats = scheduler.stats().spec
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 1)
+    assert stats.accepted_per_position == [1, 0, 0, 0]
+    scheduler.abort_requests(["r"])
+    assert kv.num_free_blocks == 20 and r.status == RequestStatus.FINISHED_ABORTED
+
+
+def test_drafts_stop_at_max_tokens_and_when_the_budget_is_short():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3, max_model_len=100)
+    speculator = Speculator(SpeculativeConfig(enabled=True, adaptive=False))
+    scheduler = Scheduler(config, kv, speculator=speculator)
+    prompt = [7, 8, 9, 7, 8, 9, 7]
+    scheduler.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=30)))
+    for _ in range(2):  # the prompt in chunks of 3, but its last token
+        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({}))
+    (row,) = scheduler.schedule().scheduled
+    assert row.token_ids == [7, 8, 9] and row.num_drafts == 2  # the budget holds 2 drafts
+    short = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    short.num_output_tokens = 1
+    assert speculator.drafts(short, 10) == []  # one token left: nothing to draft
