@@ -51,6 +51,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    # Ours: false keeps the engine from drafting for this request (same output either way).
+    speculate: bool = True
     user: str | None = None
     # vLLM's extension: with the engine's scheduling_policy "priority", lower runs first.
     priority: int = Field(0, ge=-(2**31), lt=2**31)
@@ -121,6 +123,7 @@ class _SamplingFields(_Body):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            speculate=self.speculate,
             structured=structured_output(
                 self.response_format,
                 self.structured_outputs,

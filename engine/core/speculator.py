@@ -46,7 +46,7 @@ class StepTimeModel:
             return None
         mx, my = sx / w, sy / w
         var = sxx / w - mx * mx
-        if var < 0.25:  # every step about the same size: no slope to read
+        if var < 0.1:  # every step about the same size: no slope to read
             return None
         slope = max((sxy / w - mx * my) / var, 1e-9)
         return max(my - slope * mx, 0.0), slope

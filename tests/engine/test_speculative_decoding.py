@@ -218,3 +218,35 @@ def test_deploy_yaml_speculative_block_is_strict():
         EngineArgs(speculative={"num_speculativ_tokens": 3})
     with pytest.raises(ValidationError, match="speculative.method"):
         EngineArgs(speculative={"method": "draft_model"})
+
+
+def test_spec_decode_counters_reach_metrics_and_the_controllers_view(tiny_model):
+    from functools import partial
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.batching import make_policy
+    from cluster.control import ClusterControl, ControlDecision, ReplicaStats
+    from serve_app.telemetry import render_engine_metrics
+
+    engine = build_engine(tiny_model, speculative=FIXED_K)
+    run(engine, repetitive_prompts(19, 4), greedy([20] * 4))
+    spec = engine.stats().spec
+    assert spec.num_drafts > 0 and sum(spec.accepted_per_position) == spec.num_accepted_tokens
+    stats = ReplicaStats(replica_id="r1", scheduler=engine.stats(), num_streams=0, capacity=8)
+    text = render_engine_metrics("tiny", [(stats, ControlDecision(engine.scheduler.limits))])
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+    assert samples[("dynabatch:spec_decode_num_drafts_total", None)] == spec.num_drafts
+    assert samples[("dynabatch:spec_decode_num_draft_tokens_total", None)] == spec.num_draft_tokens
+    accepted = samples[("dynabatch:spec_decode_num_accepted_tokens_total", None)]
+    assert accepted == spec.num_accepted_tokens
+    first = samples[("dynabatch:spec_decode_num_accepted_tokens_per_pos_total", "0")]
+    assert first == spec.accepted_per_position[0]
+    control = ClusterControl(partial(make_policy, "memory_aware", 8, None, None))
+    control.report(stats, now=0.0)
+    (row,) = control.view(now=0.0)["replicas"]
+    assert row["spec_acceptance"] == spec.acceptance_rate

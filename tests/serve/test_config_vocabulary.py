@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from serve_app.config import AppArgs, EngineArgs
 from tests.conftest import REPO
 from tests.local_serve import deploy_yaml_args
@@ -23,16 +23,21 @@ def engine_knobs() -> dict[str, dataclasses.Field]:
         f.name: f
         for record in ENGINE_RECORDS
         for f in dataclasses.fields(record)
-        if f.name not in ("model", "cache", "scheduler")
+        if f.name not in ("model", "cache", "scheduler", "speculative")
     }
 
 
 def test_engine_args_carry_each_core_knob_with_its_default_and_description():
     knobs = engine_knobs()
-    assert set(EngineArgs.model_fields) == set(knobs)
-    for name, info in EngineArgs.model_fields.items():
-        assert info.default == knobs[name].default, name
-        assert info.description == knobs[name].metadata["doc"], name
+    assert set(EngineArgs.model_fields) == set(knobs) | {"speculative"}
+    block = EngineArgs.model_fields["speculative"].annotation
+    spec_knobs = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(block.model_fields) == set(spec_knobs)
+    fields = [(EngineArgs, knobs, n) for n in knobs] + [(block, spec_knobs, n) for n in spec_knobs]
+    for model, record_fields, name in fields:
+        info = model.model_fields[name]
+        assert info.default == record_fields[name].default, name
+        assert info.description == record_fields[name].metadata["doc"], name
 
 
 def _differences(model: type[BaseModel], values: dict, defaults: BaseModel | None) -> list[str]:
