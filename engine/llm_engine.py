@@ -14,14 +14,14 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats, TokenLogprob
 from engine.core.policy import BatchingPolicy
 from engine.core.request import Request, RequestStatus, Resume
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, check_in_vocabulary
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_state import check_request
-from engine.core.speculator import Speculator
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar_bank import GrammarBank
 from engine.model.stop_tokens import eos_token_ids
 from engine.runner.base import ModelRunner
+from engine.runner.draft_proposer import speculator_for
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class LLMEngine:
             num_host_blocks=runner.num_host_blocks() if swap else 0,
         )
         self.clock = clock or MonotonicClock()
-        speculator = Speculator(config.speculative) if config.speculative.enabled else None
+        speculator = speculator_for(config, runner, tokenizer)
         self.scheduler = Scheduler(sched_config, kv, self.clock, speculator)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)
         self._tracked: dict[str, _Tracked] = {}
@@ -103,7 +103,7 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) for t in prompt):
             raise InvalidParam("prompt", "prompt: token ids must be integers")
-        _check_in_vocabulary("prompt", prompt, self.runner_vocab_size())
+        check_in_vocabulary("prompt", prompt, self.runner_vocab_size())
         return list(prompt)
 
     def runner_vocab_size(self) -> int:
@@ -125,8 +125,8 @@ class LLMEngine:
         if not token_ids:
             raise InvalidParam("prompt", "prompt: must not be empty")
         vocab = self.runner_vocab_size()
-        _check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab)
-        _check_in_vocabulary("logit_bias", params.logit_bias, vocab)
+        check_in_vocabulary("stop_token_ids", params.stop_token_ids, vocab)
+        check_in_vocabulary("logit_bias", params.logit_bias, vocab)
         if params.structured is not None:  # compiled here, off the step loop (and cached)
             self.grammar_bank(params.structured.param).compile(params.structured)
         request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
@@ -298,9 +298,3 @@ def _logprobs_of(
 ) -> list[TokenLogprob] | None:
     entry = logprobs.get(request_id)
     return [entry] if entry is not None and new_token_ids else None
-
-
-def _check_in_vocabulary(name: str, token_ids, vocab: int) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidParam(name, f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")

@@ -1,8 +1,10 @@
 """A real local Ray instance with two Serve apps built by serve_app.build_app.
 
-`llm` (route /): 2 engine replicas behind 1 ingress, the deploy.yaml shape.
+`llm` (route /): 2 engine replicas behind 1 ingress, the deploy.yaml shape, with ngram
+speculation on (outputs are unchanged by it, so every test of this app also proves that).
 `narrow` (route /narrow): 1 engine replica that holds 4 requests (2 running + 2 queued), for
-overload and disconnect tests where one replica's stats must tell the whole story.
+overload and disconnect tests where one replica's stats must tell the whole story; it does
+not speculate.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
     """deploy.yaml's args, resized for tests (smaller cache and context, two engine replicas)."""
     test_sizes = {
         "model": model,
-        "engine": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64, "max_model_len": 512},
+        "engine": {
+            "kv_cache_bytes": 32 << 20,
+            "max_num_seqs": 64,
+            "max_model_len": 512,
+            "speculative": {"enabled": True},
+        },
         "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5},
         "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},
         "autoscaling": None,  # a fixed count; tests/serve/test_controller.py scales its own app
@@ -46,7 +53,12 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
 
 NARROW_AUTH = {"Authorization": "Bearer narrow-key"}
 NARROW = {
-    "engine": {"kv_cache_bytes": 8 << 20, "max_num_seqs": 2, "max_model_len": 512},
+    "engine": {
+        "kv_cache_bytes": 8 << 20,
+        "max_num_seqs": 2,
+        "max_model_len": 512,
+        "speculative": {"enabled": False},
+    },
     # The strict settings: unknown request fields are a 400 here (ignored in `llm`), and
     # /v1/* asks for an API key.
     "api": {"unknown_fields": "reject", "api_keys": ["narrow-key"]},

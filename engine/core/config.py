@@ -20,7 +20,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton", "flashinfer"]
 OnlineQuantization = Literal["fp8"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -32,6 +32,12 @@ def knob(default: Any, doc: str) -> Any:
 def _check(ok: bool, param: str, rule: str, value: Any) -> None:
     if not ok:
         raise InvalidParam(param, f"{param} must be {rule}, got {value!r}")
+
+
+def _one_of(param: str, value: Any, choices: Any) -> None:
+    """`value` is one of the Literal type `choices`' values."""
+    allowed = get_args(choices)
+    _check(value in allowed, param, " or ".join(map(str, allowed)), value)
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class CacheConfig:
         _check(0.0 < fraction <= 1.0, "gpu_memory_fraction", "in (0, 1]", fraction)
         _check(self.swap_space_bytes >= 0, "swap_space_bytes", ">= 0", self.swap_space_bytes)
         kv = self.kv_cache_dtype
-        _check(kv in get_args(KVCacheDtype), "kv_cache_dtype", "auto or fp8_e4m3", kv)
+        _one_of("kv_cache_dtype", kv, KVCacheDtype)
 
 
 @dataclass(frozen=True)
@@ -136,24 +142,9 @@ class SchedulerConfig:
         length = self.max_model_len
         ok = length == "auto" or (isinstance(length, int) and length >= 2)
         _check(ok, "max_model_len", ">= 2 or auto", length)
-        _check(
-            self.batching in ("continuous", "static"),
-            "batching",
-            "continuous or static",
-            self.batching,
-        )
-        _check(
-            self.scheduling_policy in ("fcfs", "priority", "sjf"),
-            "scheduling_policy",
-            "fcfs, priority or sjf",
-            self.scheduling_policy,
-        )
-        _check(
-            self.preemption_mode in ("recompute", "swap"),
-            "preemption_mode",
-            "recompute or swap",
-            self.preemption_mode,
-        )
+        _one_of("batching", self.batching, BatchingMode)
+        _one_of("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
+        _one_of("preemption_mode", self.preemption_mode, PreemptionMode)
         _check(self.aging_s > 0, "aging_s", "> 0", self.aging_s)
 
     def limits(self) -> SchedulerLimits:
@@ -171,7 +162,12 @@ class SpeculativeConfig:
         "request's last n tokens (prompt and output; n from prompt_lookup_max down to "
         "prompt_lookup_min), as vLLM's ngram method. Output is unchanged, token for token, "
         "at any temperature: each drafted position draws the target with its own counter and "
-        "a draft counts while it equals that draw.",
+        "a draft counts while it equals that draw. draft_model: a smaller checkpoint with the "
+        "same tokenizer (`model`) drafts greedily, k single-token steps over its own paged KV "
+        "cache in the same replica; output unchanged likewise.",
+    )
+    model: str | None = knob(
+        None, "draft_model: the draft checkpoint directory (the target's tokenizer and vocabulary)."
     )
     num_speculative_tokens: int = knob(
         4, f"Most tokens drafted per request per step (1 to {MAX_SPECULATIVE_TOKENS})."
@@ -185,6 +181,15 @@ class SpeculativeConfig:
         "itself off where verifying costs more than it saves (large batches, low acceptance). "
         "false: always num_speculative_tokens.",
     )
+    rejection_sampling: bool = knob(
+        False,
+        "draft_model: sampled requests' drafts are drawn from the draft's own distribution "
+        "(their temperature and filters) and each counts with probability min(1, p/q), the "
+        "first that does not replaced by a draw from the residual (standard speculative "
+        "sampling): more drafts count at high temperature, and outputs follow the target's "
+        "distribution without being token-identical to decoding without speculation. Greedy "
+        "requests are unchanged either way.",
+    )
     disable_by_batch_size: int | None = knob(
         None,
         "No drafts in a step whose running batch is larger than this. Null: only the "
@@ -192,16 +197,17 @@ class SpeculativeConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(
-            self.method in get_args(SpeculativeMethod), "speculative.method", "ngram", self.method
-        )
-        k = self.num_speculative_tokens
-        _check(
-            isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
-            "speculative.num_speculative_tokens",
-            f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
-            k,
-        )
+        _one_of("speculative.method", self.method, SpeculativeMethod)
+        if self.method == "draft_model" and not self.model:
+            raise InvalidParam("speculative.model", "speculative.model: draft_model needs one")
+        if self.rejection_sampling and self.method != "draft_model":
+            raise InvalidParam(
+                "speculative.rejection_sampling",
+                "speculative.rejection_sampling: only draft_model drafts have a distribution",
+            )
+        k, most = self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS
+        ok = isinstance(k, int) and 1 <= k <= most
+        _check(ok, "speculative.num_speculative_tokens", f"an integer in [1, {most}]", k)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         _check(low >= 1, "speculative.prompt_lookup_min", ">= 1", low)
         _check(high >= low, "speculative.prompt_lookup_max", ">= prompt_lookup_min", high)
@@ -273,18 +279,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        _check(
-            self.dtype in ("float32", "float16", "bfloat16"),
-            "dtype",
-            "float32, float16 or bfloat16",
-            self.dtype,
-        )
-        _check(
-            self.attention_backend in get_args(AttentionBackendName),
-            "attention_backend",
-            " or ".join(get_args(AttentionBackendName)),
-            self.attention_backend,
-        )
+        _one_of("dtype", self.dtype, Dtype)
+        _one_of("attention_backend", self.attention_backend, AttentionBackendName)
         _check(self.quantization in (None, "fp8"), "quantization", "fp8 or null", self.quantization)
         _check(
             self.num_threads is None or self.num_threads >= 1,

@@ -21,7 +21,10 @@ class ReplayProposer:
         self.acceptance = acceptance
         self.vocab_size = vocab_size
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        return [self.propose_one(request, k) for request, k in wanted]
+
+    def propose_one(self, request: Request, k: int) -> list[int]:
         known = self.outputs.get(request.request_id, [])
         start = request.num_output_tokens
         return [
@@ -45,8 +48,8 @@ class SimulatedDrafts:
     def __init__(self, token: int = 1) -> None:
         self.token = token
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        return [self.token] * k
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        return [[self.token] * k for _, k in wanted]
 
     def forget(self, request_id: str) -> None:
         pass

@@ -9,10 +9,11 @@ from engine.core.request import Request
 
 
 class Proposer(Protocol):
-    """Drafts the next tokens of a request. `propose` returns at most `k` token ids (none
-    where it has nothing to offer) and may keep state per request, dropped by `forget`."""
+    """Drafts the next tokens of requests. `propose` gets (request, k) pairs and returns, in
+    their order, at most k token ids each (none where it has nothing to offer); it may keep
+    state per request, dropped by `forget`."""
 
-    def propose(self, request: Request, k: int) -> list[int]: ...
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[list[int]]: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -29,7 +30,10 @@ class NgramProposer:
         self.sizes = range(max_n, min_n - 1, -1)  # longest first
         self._index: dict[str, tuple[list[dict[tuple[int, ...], int]], list[int]]] = {}
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        return [self.propose_one(request, k) for request, k in wanted]
+
+    def propose_one(self, request: Request, k: int) -> list[int]:
         tokens = request.all_token_ids
         tables, indexed = self._index.setdefault(
             request.request_id, ([{} for _ in self.sizes], [0])

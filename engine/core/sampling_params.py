@@ -128,3 +128,10 @@ class SamplingParams:
             raise InvalidParam("stop", "stop must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidParam("stop_token_ids", "stop_token_ids must hold non-negative integers")
+
+
+def check_in_vocabulary(name: str, token_ids, vocab: int) -> None:
+    """Raise InvalidParam naming `name` if a token id is outside [0, vocab)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidParam(name, f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")

@@ -1,14 +1,12 @@
 """Speculative decoding's side of the scheduler (pure Python): how many tokens to draft for
 each request this step, the drafts themselves, and what verification found.
 
-The adaptive rule prices a step by the replica's own measurements. Decode step time is
-modelled as T(n) = a + b n over n tokens per step (StepTimeModel, fitted to the decode steps
-the replica collected, recent ones weighing most: b is what a draft costs at today's batch);
-each request's drafts are accepted one after another with its recent acceptance rate p (its
-j-th draft counts with probability p^j). A draft is worth its place while the tokens it is
-expected to add per second of step beat the step's: p^j / b > tokens / T. Drafts are given
-out best first until the next one would not pay, so speculation turns itself off in large
-batches and at low acceptance, and throughput never falls below decoding without it.
+The adaptive rule prices a step by the replica's own measurements: T(n), the seconds of a
+decode step of n tokens (engine/core/step_time_model.py), and each request's recent
+acceptance rate p (its j-th draft counts with probability p^j). Drafts are given out best
+first while the next one raises the step's expected tokens per second: with S tokens expected
+from n, one more draft of gain g pays if (S + g) / T(n + 1) > S / T(n). Speculation so turns
+itself off in large batches and at low acceptance, where verifying costs more than it saves.
 """
 
 from __future__ import annotations
@@ -17,39 +15,14 @@ from engine.core.config import SpeculativeConfig
 from engine.core.ngram_proposer import NgramProposer, Proposer
 from engine.core.outputs import SpecDecodeStats
 from engine.core.request import Request
+from engine.core.step_time_model import StepTimeModel
 
-# A step without drafts now and then keeps both ends of the step-time fit measured.
+# A step without drafts now and then keeps the plain step's time measured.
 EXPLORE_EVERY = 32
 PRIOR_ACCEPTANCE = 0.5  # a replica's acceptance before it has verified anything
 PRIOR_WEIGHT = 2.0  # drafts' worth of the replica's rate in a request's own estimate
 REQUEST_DECAY = 0.8  # per verification: a request's rate follows its recent drafts
 REPLICA_DECAY = 0.99
-
-
-class StepTimeModel:
-    """Seconds per step against tokens per step, T(n) = a + b n, by exponentially weighted
-    least squares over the steps observed (recent steps weigh most)."""
-
-    def __init__(self, decay: float = 0.9) -> None:
-        self.decay = decay
-        self._sums = [0.0] * 5  # weight, x, y, x^2, x*y
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d, x, y = self.decay, float(num_tokens), seconds
-        w, sx, sy, sxx, sxy = self._sums
-        self._sums = [d * w + 1, d * sx + x, d * sy + y, d * sxx + x * x, d * sxy + x * y]
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None until steps of different sizes have been seen."""
-        w, sx, sy, sxx, sxy = self._sums
-        if w < 4:
-            return None
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
-        if var < 0.1:  # every step about the same size: no slope to read
-            return None
-        slope = max((sxy / w - mx * my) / var, 1e-9)
-        return max(my - slope * mx, 0.0), slope
 
 
 class Speculator:
@@ -63,41 +36,52 @@ class Speculator:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k_max)
         self._rates: dict[str, list[float]] = {}  # request id -> [accepted, tried], decayed
         self._replica = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT]
-        self._k: dict[str, int] = {}  # this step's drafts per request (adaptive)
-        self._on = False
+        self._drafts: dict[str, list[int]] = {}  # this step's, by request id
         self._num_steps = 0
 
     # ------------------------------------------------------------------- the scheduler's
     def begin_step(self, running: list[Request]) -> None:
-        """Decide this step's drafts per request, before the scheduler asks for them."""
+        """Decide this step's drafts and ask the proposer for them all at once (a draft
+        model runs them as one batch), before the scheduler takes them row by row."""
         self._num_steps += 1
+        self._drafts = {}
         limit = self.config.disable_by_batch_size
-        self._on = bool(running) and (limit is None or len(running) <= limit)
-        if not self._on or not self.config.adaptive:
+        on = bool(running) and (limit is None or len(running) <= limit)
+        k_of = None  # every request: k_max
+        if on and self.config.adaptive:
+            if not self.times.ready:  # alternate until two step sizes are measured, probing
+                on = self._num_steps % 2 == 1
+                k_of = dict.fromkeys((r.request_id for r in running), 1)
+            elif self._num_steps % EXPLORE_EVERY == 0:
+                on = False
+            else:
+                k_of = self._plan(running)
+                on = bool(k_of)
+            if not on:
+                self.stats.num_steps_off += 1
+        if not on:
             return
-        fit = self.times.fit()
-        if fit is None:  # alternate until both step sizes are measured, probing with 1
-            self._on = self._num_steps % 2 == 1
-            self._k = dict.fromkeys((r.request_id for r in running), 1)
-        elif self._num_steps % EXPLORE_EVERY == 0:
-            self._on = False
-        else:
-            self._k = self._plan(running, *fit)
-            self._on = bool(self._k)
-        if not self._on:
-            self.stats.num_steps_off += 1
+        wanted = []
+        for request in running:
+            params = request.sampling_params
+            k = self.k_max if k_of is None else k_of.get(request.request_id, 0)
+            k = min(k, params.max_tokens - request.num_output_tokens - 1)
+            if (
+                k > 0
+                and request.num_tokens - request.num_computed_tokens == 1
+                and params.speculate
+                and params.structured is None
+                and params.logprobs is None
+            ):
+                wanted.append((request, k))
+        if wanted:
+            drafts = self.proposer.propose(wanted)
+            self._drafts = {r.request_id: d for (r, _), d in zip(wanted, drafts, strict=True)}
 
     def drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request whose last token this step computes, within
-        `budget` tokens for the whole row."""
-        if not self._on:
-            return []
-        params = request.sampling_params
-        if not params.speculate or params.structured is not None or params.logprobs is not None:
-            return []
-        k = self._k.get(request.request_id, 0) if self.config.adaptive else self.k_max
-        k = min(k, budget - 1, params.max_tokens - request.num_output_tokens - 1)
-        return self.proposer.propose(request, k) if k > 0 else []
+        """This step's drafts for a decoding request whose last token this step computes,
+        within `budget` tokens for the whole row."""
+        return self._drafts.get(request.request_id, [])[: budget - 1]
 
     def verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A row's drafts were verified: `num_accepted` of `num_drafts` counted."""
@@ -132,12 +116,14 @@ class Speculator:
         own = self._rates.get(request_id, (0.0, 0.0))
         return (own[0] + PRIOR_WEIGHT * prior) / (own[1] + PRIOR_WEIGHT)
 
-    def _plan(self, running: list[Request], a: float, b: float) -> dict[str, int]:
-        """Drafts per request, best first, while each adds more tokens per second than the
-        step without it makes (see the module's docstring)."""
+    def _plan(self, running: list[Request]) -> dict[str, int]:
+        """Drafts per request, best first, while each raises the step's expected tokens per
+        second (see the module's docstring)."""
         rates = {r.request_id: self.acceptance(r.request_id) for r in running}
-        tokens, seconds = float(len(running)), a + b * len(running)
-        if max(rates.values()) * seconds <= b * tokens:
+        seconds_of = self.times.seconds
+        n = len(running)
+        tokens, seconds = float(n), seconds_of(n)
+        if (tokens + max(rates.values())) * seconds <= tokens * seconds_of(n + 1):
             return {}
         gains = sorted(
             ((p**j, rid) for rid, p in rates.items() for j in range(1, self.k_max + 1)),
@@ -145,9 +131,9 @@ class Speculator:
         )
         plan: dict[str, int] = {}
         for gain, rid in gains:
-            if gain * seconds <= b * tokens:
+            longer = seconds_of(n + 1)
+            if (tokens + gain) * seconds <= tokens * longer:
                 break
             plan[rid] = plan.get(rid, 0) + 1
-            tokens += gain
-            seconds += b
+            tokens, seconds, n = tokens + gain, longer, n + 1
         return plan

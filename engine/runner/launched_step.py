@@ -70,6 +70,7 @@ class LaunchedStep:
         logprobs: SampledLogprobs | None = None,
         prompt_logprobs: PromptLogprobs | None = None,
         drafts: dict[str, list[int]] | None = None,
+        decided: dict[str, list[int]] | None = None,
     ) -> None:
         self.request_ids = request_ids
         self._host = to_host(tokens)
@@ -79,6 +80,7 @@ class LaunchedStep:
         self._grammars = grammars
         self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
         self._drafts = drafts or {}
+        self._decided = decided or {}  # rows verified by rejection sampling: their tokens
 
     def result(self) -> ModelRunnerOutput:
         self._clock.settle(self._started, self._end)
@@ -93,7 +95,11 @@ class LaunchedStep:
                 if rid in self._drafts:
                     spec.setdefault(rid, []).append(token)
                     sampled.pop(rid, None)
-            spec = {rid: accepted_tokens(self._drafts[rid], draws) for rid, draws in spec.items()}
+            decided = self._decided
+            spec = {
+                rid: decided[rid] if rid in decided else accepted_tokens(self._drafts[rid], draws)
+                for rid, draws in spec.items()
+            }
         return ModelRunnerOutput(
             sampled,
             logprobs.by_request() if logprobs is not None else {},

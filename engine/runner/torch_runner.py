@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.distributed import Store
@@ -37,7 +38,7 @@ from engine.runner.packed_inputs import packed_inputs
 from engine.runner.tensor_parallel import RankedStep, RankWorkers
 from engine.sampling.logprobs import PromptLogprobs
 from engine.sampling.sampler import Sampler
-from engine.sampling.verification import verification_rows
+from engine.sampling.verification import rejection_verified, verification_rows
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class TorchModelRunner:
             pin = self.device.type == "cuda"
             self.host_caches = host_caches(host_shape, self.kv_dtype, spec.num_layers, pin)
         self.sampler = Sampler(config.seed)
+        self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
         if self.device.type == "cuda":
             self.sampler.warm_up(spec.vocab_size, self.device)
         # The device's time on steps (forward and sampling): its idle share, for benchmarks.
@@ -168,6 +170,10 @@ class TorchModelRunner:
     def follow(self, scheduler_output: SchedulerOutput) -> None:
         """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's)."""
         self._launch(scheduler_output, sample=False).result()
+
+    def use_draft_probs(self, draft_probs: Callable[[str], torch.Tensor | None]) -> None:
+        """Rejection sampling: the draft distributions of rows whose drafts were sampled."""
+        self.draft_probs = draft_probs
 
     def use_grammars(self, grammars: GrammarBank) -> None:
         self.sampler.grammars = grammars  # structured outputs: the sampler masks their rows
@@ -214,6 +220,9 @@ class TorchModelRunner:
             prompt_logprobs = PromptLogprobs(logits[len(sampled) :], order)
             logits = logits[: len(sampled)]
         previous = previous_tokens(order, sampled, known)
+        decided = None  # rows whose drafts were sampled: verified by rejection sampling
+        if self.draft_probs is not None:
+            decided = rejection_verified(self.sampler, logits, sampled, order, self.draft_probs)
         tokens, logprobs = self.sampler.draw(logits, sampled, previous)
         ids = [r.request_id for r in sampled]
         self._last_sampled = (ids, tokens)
@@ -223,7 +232,7 @@ class TorchModelRunner:
         clock = self.device_clock
         drafts = {r.request_id: r.token_ids[-r.num_drafts :] for r in order if r.num_drafts}
         return LaunchedStep(
-            ids, tokens, clock, started, grammars, logprobs, prompt_logprobs, drafts
+            ids, tokens, clock, started, grammars, logprobs, prompt_logprobs, drafts, decided
         )
 
     def _known_inputs(

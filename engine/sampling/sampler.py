@@ -78,10 +78,7 @@ class Sampler:
             at = to_device(asking, device)
             raw = logits[at].float().log_softmax(-1)  # a copy: taken before the adjustments
         adjust_logits(logits, requests, previous)
-        banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids]
-        if banned:
-            rows, ids = zip(*banned, strict=True)
-            logits[to_device(rows, device), to_device(ids, device)] = float("-inf")
+        _ban(logits, requests)
         grammars = self.grammars
         if grammars is not None and grammars.holds(requests):
             logits = logits.contiguous()
@@ -98,11 +95,26 @@ class Sampler:
 
     def sample_random(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
         """Token ids [len(requests)] for rows that sample (temperature > 0)."""
-        device = logits.device
         params = [r.sampling_params for r in requests]
-        seeds = to_device([self._seed(r) for r in requests], device)
+        return self.draw_rows(logits, params, self.row_uniforms(requests, logits.device))
+
+    def probabilities(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """float32 [rows, vocab]: the distribution each random row's draw samples (biases,
+        penalties and bans applied, then temperature and filters), rows summing to 1. May
+        modify logits in place."""
+        adjust_logits(logits, requests)
+        _ban(logits, requests)
+        probs = token_draw.kept_probs(logits, [r.sampling_params for r in requests])
+        return probs / probs.sum(-1, keepdim=True)
+
+    def row_uniforms(
+        self, requests: list[ScheduledRequest], device: torch.device, salt: int = 0
+    ) -> torch.Tensor:
+        """Each row's counter-based uniform (its request's seed, its output index); `salt`
+        picks another stream of the same seed."""
+        seeds = to_device([self._seed(r) ^ salt for r in requests], device)
         counters = to_device([r.num_output_tokens for r in requests], device)
-        return self.draw_rows(logits, params, uniforms(seeds, counters))
+        return uniforms(seeds, counters)
 
     def warm_up(self, vocab: int, device: torch.device) -> None:
         """One filtered draw on zero logits: the device's kernels (on CUDA, the draw's Triton
@@ -120,6 +132,15 @@ class Sampler:
                 self._seeds[req.request_id] = seed
         seed %= _INT64  # any Python int, as the int64 with the same low 64 bits
         return seed - _INT64 if seed >= _INT64 // 2 else seed
+
+
+def _ban(logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
+    """Mask each row's banned tokens (stop tokens below min_tokens)."""
+    banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids]
+    if banned:
+        rows, ids = zip(*banned, strict=True)
+        device = logits.device
+        logits[to_device(rows, device), to_device(ids, device)] = float("-inf")
 
 
 def adjust_logits(

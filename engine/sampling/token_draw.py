@@ -38,6 +38,12 @@ def draw_by_search(
 def draw_by_sort(
     logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
 ) -> torch.Tensor:
+    return inverse_cdf(kept_probs(logits, params), u)
+
+
+def kept_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """float32 [rows, vocab]: each row's temperature-scaled probabilities of the tokens its
+    filters keep, zero elsewhere, unnormalized (the largest is 1)."""
     device = logits.device
     temperature, top_k, top_p, min_p = columns(params, logits.shape[-1], device)
     scaled = logits.float() / temperature[:, None]
@@ -48,7 +54,7 @@ def draw_by_sort(
         at = to_device(filtered, device)
         threshold[at] = thresholds_by_sort(scaled[at], top_k[at], top_p[at], min_p[at])
         probs.masked_fill_(scaled < threshold[:, None], 0.0)
-    return inverse_cdf(probs, u)
+    return probs
 
 
 def columns(

@@ -199,6 +199,7 @@ def test_a_request_may_opt_out(tiny_model):
         ({"method": "medusa"}, "speculative.method"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative.prompt_lookup_max"),
         ({"disable_by_batch_size": 0}, "speculative.disable_by_batch_size"),
+        ({"method": "draft_model"}, "speculative.model"),
     ],
 )
 def test_bad_speculative_settings_fail_at_start_naming_the_field(tiny_model, fields, param):
@@ -217,6 +218,8 @@ def test_deploy_yaml_speculative_block_is_strict():
     with pytest.raises(ValidationError, match="speculative.num_speculativ_tokens"):
         EngineArgs(speculative={"num_speculativ_tokens": 3})
     with pytest.raises(ValidationError, match="speculative.method"):
+        EngineArgs(speculative={"method": "eagle"})
+    with pytest.raises(ValidationError, match="speculative.model"):
         EngineArgs(speculative={"method": "draft_model"})
 
 

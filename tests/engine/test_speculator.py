@@ -11,7 +11,8 @@ from engine.core.outputs import ModelRunnerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.speculator import Speculator, StepTimeModel
+from engine.core.speculator import Speculator
+from engine.core.step_time_model import StepTimeModel
 
 
 def request(tokens: list[int], rid: str = "r", max_tokens: int = 50) -> Request:
@@ -24,13 +25,13 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix
     proposer = NgramProposer(min_n=1, max_n=3)
     # "5 6 7" occurred twice before; the latest is followed by 9 9.
     r = request([5, 6, 7, 8, 1, 5, 6, 7, 9, 9, 2, 5, 6, 7])
-    assert proposer.propose(r, 2) == [9, 9]
-    assert proposer.propose(r, 5) == [9, 9, 2, 5, 6]
+    assert proposer.propose_one(r, 2) == [9, 9]
+    assert proposer.propose_one(r, 5) == [9, 9, 2, 5, 6]
     r.all_token_ids.append(4)  # "7 4" never occurred; "4" neither
-    assert proposer.propose(r, 3) == []
+    assert proposer.propose_one(r, 3) == []
     r.all_token_ids += [1]  # "1" occurred after 8 -> 5 6 7
-    assert proposer.propose(r, 3) == [5, 6, 7]
-    assert NgramProposer(2, 2).propose(request([1, 2]), 3) == []
+    assert proposer.propose_one(r, 3) == [5, 6, 7]
+    assert NgramProposer(2, 2).propose_one(request([1, 2]), 3) == []
 
 
 def test_ngram_index_keeps_up_incrementally_as_a_full_scan_would():
@@ -39,47 +40,49 @@ def test_ngram_index_keeps_up_incrementally_as_a_full_scan_would():
     r = request(tokens[:3])
     for t in tokens[3:]:
         r.all_token_ids.append(t)
-        got = proposer.propose(r, 3)
-        fresh = NgramProposer(2, 4).propose(request(list(r.all_token_ids)), 3)
+        got = proposer.propose_one(r, 3)
+        fresh = NgramProposer(2, 4).propose_one(request(list(r.all_token_ids)), 3)
         assert got == fresh
 
 
-def test_step_time_fit_reads_intercept_and_slope():
+def test_step_time_model_reads_between_and_beyond_measured_step_sizes():
     model = StepTimeModel()
-    assert model.fit() is None
-    for n in (1, 5, 1, 5, 9, 1):
-        model.observe(n, 0.020 + 0.001 * n)
-    a, b = model.fit()
-    assert abs(a - 0.020) < 1e-9 and abs(b - 0.001) < 1e-9
+    model.observe(8, 0.030)
+    assert not model.ready
+    for n, t in ((16, 0.034), (64, 0.090), (8, 0.030)):
+        model.observe(n, t)
+    assert model.ready
+    assert model.seconds(4) == 0.030  # below the smallest: as the smallest
+    assert abs(model.seconds(12) - 0.032) < 1e-12  # between: interpolated
+    assert abs(model.seconds(128) - (0.090 + 64 * (0.056 / 48))) < 1e-12  # the last slope
 
 
-def _speculator(times: tuple[float, float], rates: dict[str, float]) -> Speculator:
+def _speculator(points: dict[int, float], rates: dict[str, float]) -> Speculator:
     spec = Speculator(SpeculativeConfig(enabled=True, num_speculative_tokens=4))
-    for n in (1, 40, 1, 40, 200):
-        spec.observe_step(n, times[0] + times[1] * n)
-    for rid, p in rates.items():  # twenty verifications at about that acceptance
-        for i in range(20):
-            spec.verified(rid, 4, 4 if p == 1.0 else int(p * 4 + (i % 2) * 0.5))
+    for n, seconds in points.items():
+        spec.observe_step(n, seconds)
+    for rid, p in rates.items():  # twenty verifications of four drafts at that acceptance
+        for _ in range(20):
+            spec.verified(rid, 4, 4 if p == 1.0 else round(p / (1 - p)))
     return spec
 
 
-def test_adaptive_rule_drafts_at_small_batches_and_stops_where_verifying_costs_more():
-    # Weight-bound steps: 5 tokens cost little more than 1. All drafts pay at batch 1.
-    spec = _speculator((0.020, 0.0001), {"a": 0.9})
-    assert spec._plan([request([1], "a")], *spec.times.fit()) == {"a": 4}
-    # Compute-bound steps: each token costs as much as the step's fixed part / 10; a batch
-    # of 64 at acceptance ~0.5 gains nothing from drafts.
-    spec = _speculator((0.020, 0.002), {})
+def test_adaptive_rule_drafts_where_steps_are_weight_bound_and_stops_where_compute_is():
+    # Five tokens cost hardly more than one: all four drafts pay at batch 1.
+    spec = _speculator({1: 0.020, 5: 0.0204, 64: 0.030}, {"a": 0.8})
+    assert spec._plan([request([1], "a")]) == {"a": 4}
+    # Compute-bound from 16 tokens on: at batch 64 a draft costs more than it brings.
+    spec = _speculator({16: 0.030, 64: 0.090, 128: 0.170}, {})
     batch = [request([1], str(i)) for i in range(64)]
     for r in batch:
         for _ in range(20):
             spec.verified(r.request_id, 4, 1)
-    assert spec._plan(batch, *spec.times.fit()) == {}
+    assert spec._plan(batch) == {}
 
 
 def test_adaptive_rule_gives_more_drafts_to_requests_that_accept_more():
-    spec = _speculator((0.020, 0.0004), {"good": 1.0, "poor": 0.25})
-    plan = spec._plan([request([1], "good"), request([1], "poor")], *spec.times.fit())
+    spec = _speculator({2: 0.020, 8: 0.024, 32: 0.060}, {"good": 1.0, "poor": 0.25})
+    plan = spec._plan([request([1], "good"), request([1], "poor")])
     assert plan.get("good", 0) > plan.get("poor", 0)
 
 
@@ -126,4 +129,6 @@ def test_drafts_stop_at_max_tokens_and_when_the_budget_is_short():
     assert row.token_ids == [7, 8, 9] and row.num_drafts == 2  # the budget holds 2 drafts
     short = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=2))
     short.num_output_tokens = 1
+    short.num_computed_tokens = short.num_tokens - 1
+    speculator.begin_step([short])
     assert speculator.drafts(short, 10) == []  # one token left: nothing to draft

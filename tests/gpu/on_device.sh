@@ -6,6 +6,8 @@
 #   bash tests/gpu/on_device.sh 8b      # the same on an 8B-shaped random checkpoint
 #   bash tests/gpu/on_device.sh quant   # quantized GEMMs, formats and FP8 KV on CUDA; decode
 #                                       # and prefill of bf16, FP8 and AWQ 8B-shaped checkpoints
+#   bash tests/gpu/on_device.sh spec    # speculative decoding: speedup against acceptance,
+#                                       # small model and 8B-shaped checkpoint
 # That machine's image holds torch, triton, transformers and pytest: the checkout runs from
 # PYTHONPATH, nothing is installed. Each step's log (JSON last) goes to $OUT/<step>.log and its
 # tail to the output; a failing step does not stop the next.
@@ -70,5 +72,16 @@ case ${1:-} in
         step quant-bench 400 "$PY" -m loadtests.bench_quant --model "$base" --awq "$awq" \
             --device "$DEVICE" --dtype "$DTYPE" --batches 1,32,128 --kv-cache-gb 8 --json
         ;;
-    *) echo "usage: $0 tests|small|8b|quant" >&2 && exit 2 ;;
+    spec)
+        checkpoint=/tmp/llama3-8b-random
+        step spec-tests 200 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_spec.py
+        step spec-small 240 "$PY" -m loadtests.bench_spec --model small --device "$DEVICE" \
+            --dtype "$DTYPE" --max-tokens 128 --json
+        [ -f "$checkpoint/config.json" ] || step checkpoint-8b 240 "$PY" -m \
+            engine.model.random_checkpoint --shape llama3-8b --out "$checkpoint" \
+            --dtype "$DTYPE" --device "$DEVICE"
+        step spec-8b 400 "$PY" -m loadtests.bench_spec --model "$checkpoint" --device "$DEVICE" \
+            --dtype "$DTYPE" --max-tokens 128 --kv-cache-gb 16 --json
+        ;;
+    *) echo "usage: $0 tests|small|8b|quant|spec" >&2 && exit 2 ;;
 esac

@@ -9,6 +9,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.local_serve import NARROW_AUTH
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -116,6 +118,39 @@ def test_engine_metrics_cover_every_replica_and_count_exactly(serve_cluster):
         assert [v for _, v in rows] == sorted(v for _, v in rows)
         count = total(after, "dynabatch:time_to_first_token_seconds_count", replica=replica)
         assert rows[-1] == (float("inf"), count)
+
+
+def test_speculation_counters_move_when_a_prompt_repeats_itself(serve_cluster):
+    """The `llm` app speculates (ngram): a prompt that repeats a phrase gets drafts, and
+    /metrics counts them under vLLM's spec_decode names; the output is the same as the
+    narrow app's, which does not speculate."""
+    base = serve_cluster.base_url
+    before = settled_scrape(base)
+    body = {
+        "model": "tiny",
+        "prompt": "the cat sat on the mat. " * 12,
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    plain = httpx.post(
+        f"{serve_cluster.v1('narrow')}/completions", json=body, headers=NARROW_AUTH, timeout=60
+    )
+    assert plain.status_code == 200
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(base)
+        drafted = total(after, "dynabatch:spec_decode_num_draft_tokens_total") - total(
+            before, "dynabatch:spec_decode_num_draft_tokens_total"
+        )
+        if drafted > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert drafted > 0
+    accepted = total(after, "dynabatch:spec_decode_num_accepted_tokens_total")
+    assert 0 <= accepted <= total(after, "dynabatch:spec_decode_num_draft_tokens_total")
 
 
 def test_engine_metrics_need_no_controller(serve_cluster):
