@@ -10,7 +10,8 @@ Random-weight models say little about real acceptance, so the drafts come from a
 without speculation, with a set share of the drafted tokens corrupted. For each batch size
 and acceptance: decode tokens/s and the median time per output token (TPOT) of the decode
 phase (after every request has its first token), without speculation and then with it,
-adaptive drafting on (`--repeat` such pairs; figures are their medians). Then the ngram
+adaptive drafting on (`--repeat` such pairs; figures are their medians; one speculator serves
+a batch size's runs, as a replica's would, so it probes step sizes once). Then the ngram
 proposer on prompts that quote the model (X, its own greedy continuation of X, X again), with
 the acceptance it got, and with `--draft DIR` a draft-model proposer on random prompts. With
 --json the output ends with one JSON object holding `speedup_batch1_acc08` and
@@ -28,6 +29,7 @@ from dataclasses import replace
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.fixed_proposers import ReplayProposer
+from engine.core.outputs import SpecDecodeStats
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculator import Speculator
 from engine.llm_engine import LLMEngine
@@ -95,6 +97,10 @@ def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
     (these hosts drift); the figures are the pairs' medians."""
     prompts = _prompts(batch, args.prompt_len, vocab, seed=batch)
     config = engine.config.speculative
+    # One speculator for the batch size's runs, as a replica keeps its own: its step-time
+    # measurements and acceptance history carry over (its first steps probe once, not once
+    # a run); each run gets a proposer and counters of its own.
+    warm = Speculator(config)
     rows = {}
     for acceptance in args.acceptances:
         pairs = []
@@ -102,12 +108,14 @@ def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
             tag = f"{batch}-{acceptance}-{round_}"
             off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"off-{tag}")
             outputs = {f"on-{tag}-{i}": t for i, t in enumerate(off["tokens"].values())}
-            speculator = Speculator(config, ReplayProposer(outputs, acceptance, vocab))
+            speculator = _rewarmed(warm, ReplayProposer(outputs, acceptance, vocab))
             on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"on-{tag}")
             on["changed"] = _changed(off, on)
-            pairs.append((off, on, speculator))
+            stats = speculator.stats
+            on["drafts_per_step"] = stats.num_draft_tokens / max(1, speculator._num_steps)
+            pairs.append((off, on, stats))
         med = statistics.median
-        stats = [sp.stats for _, _, sp in pairs]
+        stats = [st for _, _, st in pairs]
         rows[str(acceptance)] = {
             "tokens_per_s_off": med(off["tokens_per_s"] for off, _, _ in pairs),
             "tpot_ms_off": med(off["tpot_ms"] for off, _, _ in pairs),
@@ -115,13 +123,19 @@ def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
             "tpot_ms": med(on["tpot_ms"] for _, on, _ in pairs),
             "speedup": med(on["tokens_per_s"] / off["tokens_per_s"] for off, on, _ in pairs),
             "acceptance_measured": stats[0].acceptance_rate,
-            "draft_tokens_per_step": med(
-                sp.stats.num_draft_tokens / max(1, sp._num_steps) for _, _, sp in pairs
-            ),
+            "draft_tokens_per_step": med(on["drafts_per_step"] for _, on, _ in pairs),
             "steps_off": stats[0].num_steps_off,
             "requests_changed": max(on["changed"] for _, on, _ in pairs),
         }
     return rows
+
+
+def _rewarmed(speculator: Speculator, proposer) -> Speculator:
+    """`speculator` with a new proposer and fresh counters (its measurements kept)."""
+    speculator.proposer = proposer
+    speculator.stats = SpecDecodeStats(accepted_per_position=[0] * speculator.k_max)
+    speculator._num_steps = 0
+    return speculator
 
 
 def _changed(off: dict, on: dict) -> int:

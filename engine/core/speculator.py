@@ -4,8 +4,9 @@ each request this step, the drafts themselves, and what verification found.
 The adaptive rule prices a step by the replica's own measurements: T(n), the seconds of a
 decode step of n tokens (engine/core/step_time_model.py), and each request's recent
 acceptance rate p (its j-th draft counts with probability p^j). Drafts are given out best
-first while the next one raises the step's expected tokens per second: with S tokens expected
-from n, one more draft of gain g pays if (S + g) / T(n + 1) > S / T(n). Speculation so turns
+first while the next one raises the step's expected tokens per second by a margin: with S
+tokens expected from n, one more draft of gain g pays if g T(n) > MARGIN S (T(n+1) - T(n)),
+that is (S + g) / T(n + 1) > S / T(n) with its cost counted MARGIN times. Speculation so turns
 itself off in large batches and at low acceptance, where verifying costs more than it saves.
 """
 
@@ -23,6 +24,9 @@ PRIOR_ACCEPTANCE = 0.5  # a replica's acceptance before it has verified anything
 PRIOR_WEIGHT = 2.0  # drafts' worth of the replica's rate in a request's own estimate
 REQUEST_DECAY = 0.8  # per verification: a request's rate follows its recent drafts
 REPLICA_DECAY = 0.99
+# A draft must bring this much more than it costs: step times are measured with noise and
+# read beyond the sizes measured, and a draft that only breaks even is not worth the risk.
+MARGIN = 1.25
 
 
 class Speculator:
@@ -123,7 +127,7 @@ class Speculator:
         seconds_of = self.times.seconds
         n = len(running)
         tokens, seconds = float(n), seconds_of(n)
-        if (tokens + max(rates.values())) * seconds <= tokens * seconds_of(n + 1):
+        if max(rates.values()) * seconds <= MARGIN * tokens * (seconds_of(n + 1) - seconds):
             return {}
         gains = sorted(
             ((p**j, rid) for rid, p in rates.items() for j in range(1, self.k_max + 1)),
@@ -132,7 +136,7 @@ class Speculator:
         plan: dict[str, int] = {}
         for gain, rid in gains:
             longer = seconds_of(n + 1)
-            if (tokens + gain) * seconds <= tokens * longer:
+            if gain * seconds <= MARGIN * tokens * (longer - seconds):
                 break
             plan[rid] = plan.get(rid, 0) + 1
             tokens, seconds, n = tokens + gain, longer, n + 1
