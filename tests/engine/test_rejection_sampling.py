@@ -103,4 +103,3 @@ def test_rejection_sampling_is_for_draft_models_only(tiny_model):
     with pytest.raises(InvalidParam) as caught:
         build_engine(tiny_model, speculative={"rejection_sampling": True})
     assert caught.value.param == "speculative.rejection_sampling"
-
