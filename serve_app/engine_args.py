@@ -16,12 +16,12 @@ _ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
 _NOT_ENGINE_ARGS = {"model", "cache", "scheduler", "speculative"}
 
 
-def _fields_of(*records: type) -> dict[str, Any]:
+def _fields_of(*records: type, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for record in records:
         hints = typing.get_type_hints(record)
         for f in dataclasses.fields(record):
-            if f.name not in _NOT_ENGINE_ARGS:
+            if f.name not in skip:
                 fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
     return fields
 
@@ -39,7 +39,7 @@ SpeculativeArgs = create_model(
 
 
 def _engine_fields() -> dict[str, Any]:
-    fields = _fields_of(*_ENGINE_RECORDS)
+    fields = _fields_of(*_ENGINE_RECORDS, skip=frozenset(_NOT_ENGINE_ARGS))
     fields["speculative"] = (
         SpeculativeArgs,
         Field(default_factory=SpeculativeArgs, description=SpeculativeConfig.__doc__),

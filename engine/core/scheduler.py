@@ -208,6 +208,8 @@ class Scheduler:
                 tokens = runner_output.spec_token_ids[sched.request_id]
                 self.speculator.verified(request.request_id, sched.num_drafts, len(tokens) - 1)
                 request.num_computed_tokens += len(tokens)  # the row's last token + accepted
+                if request.first_token_time is None:  # drafts after the prompt's last token
+                    request.first_token_time = now
                 tokens, status = request.append_outputs(tokens, max_model_len)
                 if status is not None:
                     self._end(request, status)

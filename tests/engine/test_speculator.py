@@ -125,8 +125,12 @@ def test_drafts_stop_at_max_tokens_and_when_the_budget_is_short():
     scheduler.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=30)))
     for _ in range(2):  # the prompt in chunks of 3, but its last token
         scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput({}))
-    (row,) = scheduler.schedule().scheduled
+    out = scheduler.schedule()
+    (row,) = out.scheduled
     assert row.token_ids == [7, 8, 9] and row.num_drafts == 2  # the budget holds 2 drafts
+    scheduler.update_from_output(out, ModelRunnerOutput({}, spec_token_ids={"r": [8, 9, 4]}))
+    r = scheduler.requests["r"]
+    assert r.num_output_tokens == 3 and r.first_token_time is not None  # its first tokens
     short = Request("s", prompt, SamplingParams(temperature=0.0, max_tokens=2))
     short.num_output_tokens = 1
     short.num_computed_tokens = short.num_tokens - 1
