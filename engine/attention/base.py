@@ -76,10 +76,11 @@ class AttentionBackend(ABC):
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         sliding_window: int | None,
+        max_query_len: int = 1,
     ) -> object:
-        """Metadata of a decode-only step (one new token per row) made from device tensors
-        alone, with tensor operations only: what `prepare` gives, but graph-safe. Only where
-        `supports_graphs`."""
+        """Metadata of a decode-only step (`max_query_len` new tokens in every row: 1, or a
+        last token and its drafts) made from device tensors alone, with tensor operations
+        only: what `prepare` gives, but graph-safe. Only where `supports_graphs`."""
         raise NotImplementedError(f"the {self.name} backend runs no graphs")
 
 

@@ -98,7 +98,9 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         sliding_window: int | None,
+        max_query_len: int = 1,
     ) -> TorchAttentionMetadata:
+        assert max_query_len == 1, "the torch backend's graph-safe metadata is for decodes"
         return TorchAttentionMetadata(
             slot_mapping, len(seq_lens), block_table, seq_lens, None, [], sliding_window
         )

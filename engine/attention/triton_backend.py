@@ -54,9 +54,10 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         sliding_window: int | None,
+        max_query_len: int = 1,
     ) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
-            slot_mapping, block_table, query_start_loc, seq_lens, 1, sliding_window
+            slot_mapping, block_table, query_start_loc, seq_lens, max_query_len, sliding_window
         )
 
     def forward(

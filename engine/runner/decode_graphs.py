@@ -4,7 +4,9 @@ memory pool; a decode step then costs one graph replay instead of a launch per k
 A step of B decodes copies its inputs into the persistent buffers (engine/runner/
 decode_inputs.py), replays the graph of the smallest captured size >= B, and finishes the
 first B rows' logits eagerly. Mixed steps, larger batches and backends that cannot be
-captured run eagerly; `enforce_eager` turns graphs off.
+captured run eagerly; `enforce_eager` turns graphs off. With speculative decoding a second
+set is captured whose rows hold k + 1 query tokens (a last token and up to k drafts, padded):
+steps of decodes and drafted rows replay those.
 """
 
 from __future__ import annotations
@@ -26,11 +28,21 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, runner: TorchModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        runner: TorchModelRunner,
+        max_num_seqs: int,
+        max_model_len: int,
+        tokens_per_row: int = 1,
+    ) -> None:
         self.runner = runner
         self.sizes = capture_sizes(max_num_seqs)
-        blocks_per_row = -(-max_model_len // runner.block_size)
-        self.inputs = DecodeInputs.allocate(self.sizes[-1], blocks_per_row, runner.device)
+        self.tokens_per_row = tokens_per_row
+        # A row's padding positions may reach past max_model_len: their table columns exist.
+        blocks_per_row = -(-(max_model_len + tokens_per_row) // runner.block_size)
+        self.inputs = DecodeInputs.allocate(
+            self.sizes[-1], blocks_per_row, runner.device, tokens_per_row
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture()
@@ -63,19 +75,27 @@ class DecodeGraphs:
         )
 
     def run(
-        self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        order: list[ScheduledRequest],
+        known: tuple[torch.Tensor, torch.Tensor] | None,
+        positions: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Logits of a decode-only step by graph replay, or None where no graph fits it.
-        `known`: rows whose input token is already on the device, and those tokens."""
+        `known`: rows whose input token is already on the device, and those tokens.
+        `positions`: the query tokens to take logits of (row i's j-th is i x Q + j); every
+        row's first where not given."""
         if len(order) > self.sizes[-1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, len(order))]
-        runner = self.runner
+        runner, q = self.runner, self.tokens_per_row
         self.inputs.fill(order, size, runner.block_size, runner.scratch_block)
         if known is not None:
             self.inputs.input_ids[known[0]] = known[1]
         self._graphs[size].replay()
-        return runner.model.logits(self._outputs[size][: len(order)])
+        hidden = self._outputs[size]
+        if positions is not None:
+            return runner.model.logits(hidden[torch.tensor(positions, device=hidden.device)])
+        return runner.model.logits(hidden[: len(order) * q : q])
 
     def replay_padding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final hidden states of a step of padding rows (position 0, K/V to the scratch

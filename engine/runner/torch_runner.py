@@ -138,10 +138,15 @@ class TorchModelRunner:
         check = config.gpu_self_check
         self.self_check: list[PartCheck] = check_kernels(self) if check else []
         self.graphs: DecodeGraphs | None = None
+        self.spec_graphs: DecodeGraphs | None = None  # rows of a last token and its drafts
         graphable = self.backend.supports_graphs and world == 1
         if self.device.type == "cuda" and graphable and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self, config.scheduler.max_num_seqs, max_len)
+            max_seqs = config.scheduler.max_num_seqs
+            self.graphs = DecodeGraphs(self, max_seqs, max_len)
             self.self_check += check_graphs(self) if check else []
+            if config.speculative.enabled:
+                q = config.speculative.num_speculative_tokens + 1
+                self.spec_graphs = DecodeGraphs(self, max_seqs, max_len, tokens_per_row=q)
         if config.cache.calculate_kv_scales:  # from the first real step, not dummy ones
             measure_missing_kv_scales(self.model)
 
@@ -202,7 +207,7 @@ class TorchModelRunner:
         order += [r for r in scheduled if r.num_tokens != 1]
         started = self.device_clock.start()
         known = self._known_inputs(order)
-        logits = self._replay(order, known) if self.graphs is not None else None
+        logits = self._replay(order, known) if self.graphs or self.spec_graphs else None
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
             if known is not None:
@@ -251,10 +256,20 @@ class TorchModelRunner:
     def _replay(
         self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor | None:
-        """Logits of the sampled rows of a decode-only step by graph replay, else None."""
-        if any(r.num_tokens != 1 or r.prompt_targets for r in order):
+        """Logits of the sampled rows of a decode-only step by graph replay, else None: the
+        decode graphs', or where rows carry drafts the speculative graphs' (every position of
+        a drafted row)."""
+        if any(r.num_tokens != 1 + r.num_drafts or r.prompt_targets for r in order):
             return None
-        assert self.graphs is not None
+        spec = self.spec_graphs
+        if any(r.num_drafts for r in order):
+            q = spec.tokens_per_row if spec is not None else 0
+            if known is not None or any(r.num_tokens > q for r in order):
+                return None
+            rows = [i * q + j for i, r in enumerate(order) if r.sample for j in range(r.num_tokens)]
+            return spec.run(order, None, rows)
+        if self.graphs is None:
+            return None
         logits = self.graphs.run(order, known)
         if logits is None or all(r.sample for r in order):
             return logits

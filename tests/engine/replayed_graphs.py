@@ -46,3 +46,14 @@ def replay_decodes(engine, largest: int) -> ReplayedDecodeGraphs:
     with torch.inference_mode():
         runner.graphs = ReplayedDecodeGraphs(runner, largest, runner.max_model_len())
     return runner.graphs
+
+
+def replay_spec_decodes(engine, largest: int) -> ReplayedDecodeGraphs:
+    """`replay_decodes` for the speculative graphs: rows of k + 1 query tokens, where k is
+    the engine's num_speculative_tokens."""
+    runner = engine.runner
+    assert runner.backend.supports_graphs and runner.spec_graphs is None
+    q = engine.config.speculative.num_speculative_tokens + 1
+    with torch.inference_mode():
+        runner.spec_graphs = ReplayedDecodeGraphs(runner, largest, runner.max_model_len(), q)
+    return runner.spec_graphs
