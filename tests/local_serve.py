@@ -1,7 +1,8 @@
 """A real local Ray instance with two Serve apps built by serve_app.build_app.
 
 `llm` (route /): 2 engine replicas behind 1 ingress, the deploy.yaml shape, with ngram
-speculation on (outputs are unchanged by it, so every test of this app also proves that).
+speculation on, drafting whenever it finds drafts (outputs are unchanged by it, so every
+test of this app also proves that).
 `narrow` (route /narrow): 1 engine replica that holds 4 requests (2 running + 2 queued), for
 overload and disconnect tests where one replica's stats must tell the whole story; it does
 not speculate.
@@ -42,7 +43,9 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
             "kv_cache_bytes": 32 << 20,
             "max_num_seqs": 64,
             "max_model_len": 512,
-            "speculative": {"enabled": True},
+            # Drafting whenever prompt lookup finds drafts (not only where the adaptive rule
+            # finds it pays): every test of this app goes through verification more.
+            "speculative": {"enabled": True, "adaptive": False},
         },
         "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5},
         "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},

@@ -27,10 +27,6 @@ REPLICA_DECAY = 0.99
 # A draft must bring this much more than it costs: step times are measured with noise and
 # read beyond the sizes measured, and a draft that only breaks even is not worth the risk.
 MARGIN = 1.25
-# New requests verify a first draft before the rule judges them on their own record (else a
-# replica whose recent requests drafted badly would never try again); such probes may cost
-# this share of a step.
-PROBE_SHARE = 0.01
 
 
 class Speculator:
@@ -64,7 +60,6 @@ class Speculator:
                 on = False
             else:
                 k_of = self._plan(running)
-                k_of.update(self._probes(running, k_of))
                 on = bool(k_of)
             if not on:
                 self.stats.num_steps_off += 1
@@ -124,20 +119,6 @@ class Speculator:
         prior = accepted / tried
         own = self._rates.get(request_id, (0.0, 0.0))
         return (own[0] + PRIOR_WEIGHT * prior) / (own[1] + PRIOR_WEIGHT)
-
-    def _probes(self, running: list[Request], planned: dict[str, int]) -> dict[str, int]:
-        """One draft each for requests never verified, as many as PROBE_SHARE of the step's
-        time pays for, taken in turn."""
-        new = [r.request_id for r in running if r.request_id not in self._rates]
-        new = [rid for rid in new if rid not in planned]
-        if not new:
-            return {}
-        n = len(running)
-        step = self.times.seconds(n)
-        per_draft = max(self.times.seconds(n + 1) - step, 1e-12)
-        count = max(1, int(PROBE_SHARE * step / per_draft))
-        first = self._num_steps % len(new)
-        return dict.fromkeys((new + new)[first : first + min(count, len(new))], 1)
 
     def _plan(self, running: list[Request]) -> dict[str, int]:
         """Drafts per request, best first, while each raises the step's expected tokens per

@@ -80,17 +80,6 @@ def test_adaptive_rule_drafts_where_steps_are_weight_bound_and_stops_where_compu
     assert spec._plan(batch) == {}
 
 
-def test_new_requests_still_probe_after_a_replica_drafted_badly():
-    """Where every recent draft failed, a new request is still given one draft to prove
-    itself, within a small share of the step; a request judged on its record gets none."""
-    spec = _speculator({1: 0.010, 2: 0.020, 64: 0.640}, {"old": 0.0})  # compute-bound
-    assert spec._plan([request([1], "old")]) == {}
-    spec.begin_step([request([1], "old"), request([1], "new")])
-    assert spec._probes([request([1], "old"), request([1], "new")], {}) == {"new": 1}
-    batch = [request([1], str(i)) for i in range(64)]
-    assert len(spec._probes(batch, {})) == 1  # a draft costs ~1/64 of this step: one probe
-
-
 def test_adaptive_rule_gives_more_drafts_to_requests_that_accept_more():
     spec = _speculator({2: 0.020, 8: 0.024, 32: 0.060}, {"good": 1.0, "poor": 0.25})
     plan = spec._plan([request([1], "good"), request([1], "poor")])
