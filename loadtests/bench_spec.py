@@ -157,20 +157,25 @@ def _quoting_prompts(engine: LLMEngine, batch: int, args, vocab: int) -> list[li
     return [x + c + x for x, c in zip(heads, said["tokens"].values(), strict=True)]
 
 
-def run_ngram(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
-    prompts = _quoting_prompts(engine, batch, args, vocab)
-    off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"ngram-off-{batch}")
-    speculator = Speculator(engine.config.speculative)
-    on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"ngram-on-{batch}")
+def off_and_on(engine: LLMEngine, prompts, speculator: Speculator, args, tag: str) -> dict:
+    """The prompts without speculation, then with `speculator`: speedup and acceptance."""
+    off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"{tag}-off")
+    on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"{tag}-on")
     _changed(off, on)
     return {
-        "batch": batch,
+        "batch": len(prompts),
         "speedup": on["tokens_per_s"] / off["tokens_per_s"],
         "tokens_per_s_off": off["tokens_per_s"],
         "tokens_per_s_on": on["tokens_per_s"],
         "acceptance": speculator.stats.acceptance_rate,
         "draft_tokens": speculator.stats.num_draft_tokens,
     }
+
+
+def run_ngram(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
+    prompts = _quoting_prompts(engine, batch, args, vocab)
+    speculator = Speculator(engine.config.speculative)
+    return off_and_on(engine, prompts, speculator, args, f"ngram-{batch}")
 
 
 def run_draft(engine: LLMEngine, draft: str, batch: int, args, vocab: int) -> dict:
@@ -178,22 +183,11 @@ def run_draft(engine: LLMEngine, draft: str, batch: int, args, vocab: int) -> di
     from engine.runner.draft_proposer import DraftModelProposer
 
     prompts = _prompts(batch, args.prompt_len, vocab, seed=7 + batch)
-    off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"draft-off-{batch}")
     config = replace(engine.config.speculative, method="draft_model", model=draft)
     proposer = DraftModelProposer(
         replace(engine.config, speculative=config), engine.runner, engine.tokenizer
     )
-    speculator = Speculator(config, proposer)
-    on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"draft-on-{batch}")
-    _changed(off, on)
-    return {
-        "batch": batch,
-        "speedup": on["tokens_per_s"] / off["tokens_per_s"],
-        "tokens_per_s_off": off["tokens_per_s"],
-        "tokens_per_s_on": on["tokens_per_s"],
-        "acceptance": speculator.stats.acceptance_rate,
-        "draft_tokens": speculator.stats.num_draft_tokens,
-    }
+    return off_and_on(engine, prompts, Speculator(config, proposer), args, f"draft-{batch}")
 
 
 def main(argv: list[str] | None = None) -> dict:

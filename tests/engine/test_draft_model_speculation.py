@@ -14,8 +14,13 @@ from engine.core.errors import InvalidParam
 from engine.model.tiny_model import make_model
 from engine.model.truncated_draft import make_truncated_draft
 from tests.conftest import build_engine
-from tests.engine.test_oracle import scenario_engine
-from tests.engine.test_speculative_decoding import greedy, repetitive_prompts, run, sampled
+from tests.engine.test_speculative_decoding import (
+    greedy,
+    repetitive_prompts,
+    run,
+    sampled,
+    spec_scenario_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +47,8 @@ def test_draft_model_drafts_change_no_token(tiny_model, truncated_draft, scenari
     params = greedy([20] * 4) + sampled(4, seed=23)
     settings = draft_settings(tiny_model if draft == "self" else truncated_draft)
 
-    def engine(**spec):
-        if scenario == "swap":
-            return build_engine(
-                tiny_model, 4, 26, num_host_blocks=200, max_num_seqs=8,
-                max_num_batched_tokens=24, preemption_mode="swap", **spec,
-            )  # fmt: skip
-        return scenario_engine(tiny_model, scenario, **spec)
-
-    plain = run(engine(), prompts, params)
-    spec_engine = engine(speculative=settings)
+    plain = run(spec_scenario_engine(tiny_model, scenario), prompts, params)
+    spec_engine = spec_scenario_engine(tiny_model, scenario, speculative=settings)
     assert run(spec_engine, prompts, params) == plain
     stats = spec_engine.stats().spec
     assert stats.num_draft_tokens > 0

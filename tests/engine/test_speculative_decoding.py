@@ -84,6 +84,16 @@ def sampled(n: int, seed: int) -> list[SamplingParams]:
 SPEC_SCENARIOS = ["roomy", "chunked-prefill", "preemption", "chunked+preemption"]
 
 
+def spec_scenario_engine(model: str, scenario: str, **engine_args) -> LLMEngine:
+    """test_oracle's scenarios, and "swap": a cache small enough that swap preemption runs."""
+    if scenario == "swap":
+        return build_engine(
+            model, 4, 26, num_host_blocks=200, max_num_seqs=8, max_num_batched_tokens=24,
+            preemption_mode="swap", **engine_args,
+        )  # fmt: skip
+    return scenario_engine(model, scenario, **engine_args)
+
+
 @pytest.mark.parametrize("scenario", SPEC_SCENARIOS)
 def test_greedy_ngram_speculation_changes_no_token_and_matches_hf(tiny_model, oracle, scenario):
     rng = random.Random(3)
@@ -110,16 +120,8 @@ def test_seeded_sampling_with_replayed_drafts_changes_no_token(tiny_model, scena
     prompts = repetitive_prompts(7, 10)
     params = sampled(len(prompts), seed=7)
 
-    def engine(**spec):
-        if scenario == "swap":
-            return build_engine(
-                tiny_model, 4, 26, num_host_blocks=200, max_num_seqs=8,
-                max_num_batched_tokens=24, preemption_mode="swap", **spec,
-            )  # fmt: skip
-        return scenario_engine(tiny_model, scenario, **spec)
-
-    plain = run(engine(), prompts, params)
-    spec_engine = engine(speculative=FIXED_K)
+    plain = run(spec_scenario_engine(tiny_model, scenario), prompts, params)
+    spec_engine = spec_scenario_engine(tiny_model, scenario, speculative=FIXED_K)
     outputs = {rid: got[0] for rid, got in plain.items()}
     vocab = spec_engine.runner_vocab_size()
     spec_engine.scheduler.speculator.proposer = ReplayProposer(outputs, acceptance, vocab)
