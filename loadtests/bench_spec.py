@@ -33,6 +33,7 @@ from engine.core.outputs import SpecDecodeStats
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculator import Speculator
 from engine.llm_engine import LLMEngine
+from engine.runner.draft_proposer import step_token_tile
 from loadtests.workload import resolve_model
 
 
@@ -100,7 +101,7 @@ def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
     # One speculator for the batch size's runs, as a replica keeps its own: its step-time
     # measurements and acceptance history carry over (its first steps probe once, not once
     # a run); each run gets a proposer and counters of its own.
-    warm = Speculator(config)
+    warm = Speculator(config, token_tile=step_token_tile(engine.runner))
     rows = {}
     for acceptance in args.acceptances:
         pairs = []
@@ -174,7 +175,7 @@ def off_and_on(engine: LLMEngine, prompts, speculator: Speculator, args, tag: st
 
 def run_ngram(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
     prompts = _quoting_prompts(engine, batch, args, vocab)
-    speculator = Speculator(engine.config.speculative)
+    speculator = Speculator(engine.config.speculative, token_tile=step_token_tile(engine.runner))
     return off_and_on(engine, prompts, speculator, args, f"ngram-{batch}")
 
 
@@ -187,7 +188,8 @@ def run_draft(engine: LLMEngine, draft: str, batch: int, args, vocab: int) -> di
     proposer = DraftModelProposer(
         replace(engine.config, speculative=config), engine.runner, engine.tokenizer
     )
-    return off_and_on(engine, prompts, Speculator(config, proposer), args, f"draft-{batch}")
+    speculator = Speculator(config, proposer, token_tile=step_token_tile(engine.runner))
+    return off_and_on(engine, prompts, speculator, args, f"draft-{batch}")
 
 
 def main(argv: list[str] | None = None) -> dict:

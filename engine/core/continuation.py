@@ -24,7 +24,10 @@ def schedule_continuation(
     the host."""
     if scheduler.waiting and scheduler._may_admit():
         return None
-    if scheduler.speculator is not None:  # how far each request gets is not known yet
+    # After drafts, how far each request got is not known yet; and a speculator that would
+    # draft must see the step's requests first.
+    spec = scheduler.speculator
+    if spec is not None and (previous.num_draft_tokens or not spec.quiet):
         return None
     requests = scheduler.requests
     running = RequestStatus.RUNNING

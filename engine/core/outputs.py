@@ -87,6 +87,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
+    num_draft_tokens: int = 0  # of num_batched_tokens: speculative drafts to verify
     # Requests that ended or were preempted since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)

@@ -76,6 +76,7 @@ class Request:
         self.num_tokens = self.num_prompt_tokens
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
+        self.num_drafts_in_flight = 0  # slots held past its tokens for drafts being verified
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None

@@ -108,7 +108,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
 
-        num_decodes = 0
+        num_decodes = num_drafts = 0
         kv = self.kv_cache
         allocate = kv.allocate_slots
         schedule_one = ScheduledRequest.of
@@ -129,8 +129,10 @@ class Scheduler:
             drafts = spec.drafts(request, budget) if spec and n == 1 else None
             if drafts and allocate(request, 1 + len(drafts)) is not None:
                 row = ScheduledRequest.speculative(request, drafts, table_of(request.request_id))
+                request.num_drafts_in_flight = row.num_drafts
                 scheduled.append(row)
                 num_decodes += 1
+                num_drafts += row.num_drafts
                 budget -= row.num_tokens
                 i += 1
                 continue
@@ -179,6 +181,7 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.limits.max_num_batched_tokens - budget,
+            num_draft_tokens=num_drafts,
             finished_request_ids=ended,
             preempted_request_ids=preempted,
             blocks_to_swap_out=self._swap_out,
@@ -206,6 +209,7 @@ class Scheduler:
                 continue  # ended while the step ran
             if sched.num_drafts:  # its accepted drafts, then the target's next token
                 tokens = runner_output.spec_token_ids[sched.request_id]
+                request.num_drafts_in_flight = 0
                 self.speculator.verified(request.request_id, sched.num_drafts, len(tokens) - 1)
                 request.num_computed_tokens += len(tokens)  # the row's last token + accepted
                 if request.first_token_time is None:  # drafts after the prompt's last token
@@ -255,7 +259,8 @@ class Scheduler:
         """The engine's measure of a step it collected (policies and speculation read it)."""
         self.steps.executed(seconds)
         if self.speculator is not None and self.steps.last_decode_only:
-            self.speculator.observe_step(scheduler_output.num_batched_tokens, seconds)
+            out = scheduler_output
+            self.speculator.observe_step(out.num_batched_tokens, seconds, out.num_draft_tokens > 0)
 
     # ---------------------------------------------------------------------- inspection
     def stats(self) -> SchedulerStats:

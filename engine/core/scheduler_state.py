@@ -93,8 +93,9 @@ def check_integrity(s: Scheduler) -> None:
     assert s.kv_cache.swapped_ids() == swapped, "host tables out of step with requests"
     # NOTE: only running requests hold blocks; waiting and preempted ones hold none.
     assert s.kv_cache.request_ids() == {r.request_id for r in s.running}, "orphan table"
-    # Between steps no request holds a block its tokens do not need (rejected drafts' slots
-    # go back when they are verified).
+    # Between steps no request holds a block its tokens do not need, but for drafts of a step
+    # still in flight (rejected drafts' slots go back when they are verified).
     for r in s.running:
         held = len(s.kv_cache.block_ids(r.request_id))
-        assert held <= s.kv_cache.blocks_needed(r.num_tokens), f"{r}: {held} blocks held"
+        needed = s.kv_cache.blocks_needed(r.num_tokens + r.num_drafts_in_flight)
+        assert held <= needed, f"{r}: {held} blocks held"

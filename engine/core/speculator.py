@@ -1,28 +1,36 @@
 """Speculative decoding's side of the scheduler (pure Python): how many tokens to draft for
 each request this step, the drafts themselves, and what verification found.
 
-The adaptive rule prices a step by the replica's own measurements: T(n), the seconds of a
-decode step of n tokens (engine/core/step_time_model.py), and each request's recent
-acceptance rate p (its j-th draft counts with probability p^j). Drafts are given out best
-first while the next one raises the step's expected tokens per second by a margin: with S
-tokens expected from n, one more draft of gain g pays if g T(n) > MARGIN S (T(n+1) - T(n)),
-that is (S + g) / T(n + 1) > S / T(n) with its cost counted MARGIN times. Speculation so turns
-itself off in large batches and at low acceptance, where verifying costs more than it saves.
+The adaptive rule prices a step by the replica's own measurements: T(n) and D(n), the seconds
+of a decode step of n tokens without drafts and with some (engine/core/step_time_model.py),
+and each request's recent acceptance rate p (its j-th draft counts with probability p^j).
+Drafts are taken best first, and the step drafts the first d of them that make its expected
+tokens per second highest, its extra time counted MARGIN times: (n + gains) / (T(n) + MARGIN
+(D(n + d) - T(n))) against n / T(n) without drafts. A first draft so pays for the whole
+step's switch to verification, and where steps cost by whole tiles of tokens (the CPU's
+native GEMM streams the weights once per 16 tokens) for the tile it opens, which the drafts
+after it fill nearly for free. Speculation turns itself off in large batches and at low
+acceptance, where verifying costs more than it saves.
 """
 
 from __future__ import annotations
+
+from heapq import heapify, heappop, heappush
 
 from engine.core.config import SpeculativeConfig
 from engine.core.ngram_proposer import NgramProposer, Proposer
 from engine.core.outputs import SpecDecodeStats
 from engine.core.request import Request
-from engine.core.step_time_model import StepTimeModel
+from engine.core.step_time_model import StepTimes
 
 # A step without drafts now and then keeps the plain step's time measured.
 EXPLORE_EVERY = 32
 PRIOR_ACCEPTANCE = 0.5  # a replica's acceptance before it has verified anything
-PRIOR_WEIGHT = 2.0  # drafts' worth of the replica's rate in a request's own estimate
+PRIOR_WEIGHT = 2.0  # drafts' worth of the prior in the replica's rate, and of the replica's
+# rate in a request's own estimate
 REQUEST_DECAY = 0.8  # per verification: a request's rate follows its recent drafts
+# Per verification, and per step without drafts: a replica whose drafts failed drifts back
+# to the prior while it drafts nothing, and so tries new requests again now and then.
 REPLICA_DECAY = 0.99
 # A draft must bring this much more than it costs: step times are measured with noise and
 # read beyond the sizes measured, and a draft that only breaks even is not worth the risk.
@@ -30,18 +38,25 @@ MARGIN = 1.25
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer | None = None, token_tile: int = 1
+    ) -> None:
         self.config = config
         self.k_max = config.num_speculative_tokens
         if proposer is None:
             proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.proposer = proposer
-        self.times = StepTimeModel()
+        self.times = StepTimes(token_tile)  # token_tile: see StepTimeModel
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k_max)
         self._rates: dict[str, list[float]] = {}  # request id -> [accepted, tried], decayed
-        self._replica = [PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT]
+        self._replica = [0.0, 0.0]  # [accepted, tried], decayed
         self._drafts: dict[str, list[int]] = {}  # this step's, by request id
         self._num_steps = 0
+        # The adaptive rule found no draft worth its step among requests that all decode
+        # (not a pause to measure), or the batch is over disable_by_batch_size: the next
+        # step, with the same requests, may be scheduled before this one's tokens are in
+        # (engine/core/continuation.py).
+        self.quiet = False
 
     # ------------------------------------------------------------------- the scheduler's
     def begin_step(self, running: list[Request]) -> None:
@@ -50,37 +65,23 @@ class Speculator:
         self._num_steps += 1
         self._drafts = {}
         limit = self.config.disable_by_batch_size
-        on = bool(running) and (limit is None or len(running) <= limit)
-        k_of = None  # every request: k_max
-        if on and self.config.adaptive:
-            if not self.times.ready:  # alternate until two step sizes are measured, probing
-                on = self._num_steps % 2 == 1
-                k_of = dict.fromkeys((r.request_id for r in running), 1)
-            elif self._num_steps % EXPLORE_EVERY == 0:
-                on = False
-            else:
-                k_of = self._plan(running)
-                on = bool(k_of)
-            if not on:
+        over_limit = limit is not None and len(running) > limit
+        wanted, settled = self._eligible(running) if not over_limit else ([], True)
+        quiet = over_limit
+        if wanted and self.config.adaptive:
+            pause = not self.times.ready or self._num_steps % EXPLORE_EVERY == 0
+            wanted = self._adapted(len(running), wanted)
+            if not wanted:
                 self.stats.num_steps_off += 1
-        if not on:
+                quiet = settled and not pause
+        self.quiet = quiet
+        if not wanted:
+            replica = self._replica
+            replica[0] *= REPLICA_DECAY
+            replica[1] *= REPLICA_DECAY
             return
-        wanted = []
-        for request in running:
-            params = request.sampling_params
-            k = self.k_max if k_of is None else k_of.get(request.request_id, 0)
-            k = min(k, params.max_tokens - request.num_output_tokens - 1)
-            if (
-                k > 0
-                and request.num_tokens - request.num_computed_tokens == 1
-                and params.speculate
-                and params.structured is None
-                and params.logprobs is None
-            ):
-                wanted.append((request, k))
-        if wanted:
-            drafts = self.proposer.propose(wanted)
-            self._drafts = {r.request_id: d for (r, _), d in zip(wanted, drafts, strict=True)}
+        drafts = self.proposer.propose(wanted)
+        self._drafts = {r.request_id: d for (r, _), d in zip(wanted, drafts, strict=True)}
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """This step's drafts for a decoding request whose last token this step computes,
@@ -103,9 +104,10 @@ class Speculator:
         replica[0] = REPLICA_DECAY * replica[0] + num_accepted
         replica[1] = REPLICA_DECAY * replica[1] + tried
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode step (no prefill chunk) of `num_tokens` tokens took `seconds`."""
-        self.times.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, drafted: bool) -> None:
+        """A decode step (no prefill chunk) of `num_tokens` tokens took `seconds`; `drafted`:
+        some of its rows verified drafts."""
+        self.times.observe(num_tokens, seconds, drafted)
 
     def forget(self, request_id: str) -> None:
         self._rates.pop(request_id, None)
@@ -114,30 +116,75 @@ class Speculator:
     # ------------------------------------------------------------------------ helpers
     def acceptance(self, request_id: str) -> float:
         """A request's estimated chance that a draft counts: its own recent drafts, pulled
-        toward the replica's rate while it has few."""
+        toward the replica's rate (itself pulled toward the prior) while it has few."""
         accepted, tried = self._replica
-        prior = accepted / tried
+        prior = (accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (tried + PRIOR_WEIGHT)
         own = self._rates.get(request_id, (0.0, 0.0))
         return (own[0] + PRIOR_WEIGHT * prior) / (own[1] + PRIOR_WEIGHT)
 
-    def _plan(self, running: list[Request]) -> dict[str, int]:
-        """Drafts per request, best first, while each raises the step's expected tokens per
-        second (see the module's docstring)."""
-        rates = {r.request_id: self.acceptance(r.request_id) for r in running}
-        seconds_of = self.times.seconds
-        n = len(running)
-        tokens, seconds = float(n), seconds_of(n)
-        if max(rates.values()) * seconds <= MARGIN * tokens * (seconds_of(n + 1) - seconds):
+    def _eligible(self, running: list[Request]) -> tuple[list[tuple[Request, int]], bool]:
+        """The decoding requests that may draft this step, with the most drafts each may;
+        and whether every running request is decoding (none waits for a prompt chunk)."""
+        eligible = []
+        settled = True
+        for request in running:
+            params = request.sampling_params
+            k = min(self.k_max, params.max_tokens - request.num_output_tokens - 1)
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            settled = settled and decoding and request.num_output_tokens > 0
+            if (
+                k > 0
+                and decoding
+                and params.speculate
+                and params.structured is None
+                and params.logprobs is None
+            ):
+                eligible.append((request, k))
+        return eligible, settled
+
+    def _adapted(self, n: int, eligible: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The adaptive rule's drafts for a step of `n` rows."""
+        times = self.times
+        if not times.ready:  # measure a plain step, then one row drafting one token
+            return [(eligible[0][0], 1)] if times.plain.num_bands else []
+        if self._num_steps % EXPLORE_EVERY == 0:  # measure a plain step
+            return []
+        plan = self._plan(n, eligible)
+        return [(r, plan[r.request_id]) for r, _ in eligible if r.request_id in plan]
+
+    def _plan(self, n: int, eligible: list[tuple[Request, int]]) -> dict[str, int]:
+        """Drafts per request id (see the module's docstring)."""
+        rates = [(self.acceptance(r.request_id), r.request_id, cap) for r, cap in eligible]
+        plain = self.times.plain_seconds(n)
+        drafted = self.times.drafted_seconds
+
+        def cost(num_tokens: int) -> float:
+            return plain + MARGIN * max(drafted(num_tokens) - plain, 0.0)
+
+        # Every draft at the cheapest drafted step: if even that does not pay, none does.
+        most = sum(cap if p >= 1 else p * (1 - p**cap) / (1 - p) for p, _, cap in rates)
+        if (n + most) / cost(n + 1) <= n / plain:
             return {}
-        gains = sorted(
-            ((p**j, rid) for rid, p in rates.items() for j in range(1, self.k_max + 1)),
-            reverse=True,
-        )
+        heap = [(-p, 1, rid, p, cap) for p, rid, cap in rates if p > 0]
+        heapify(heap)
+        tile = self.times.tile
+        order: list[str] = []
+        tokens, best, best_d, last = float(n), n / plain, 0, None
+        while heap:
+            gain, j, rid, p, cap = heappop(heap)
+            if j < cap:
+                heappush(heap, (gain * p, j + 1, rid, p, cap))
+            order.append(rid)
+            tokens -= gain
+            if (n + len(order)) % tile and heap:
+                continue  # a step costs by whole tiles: priced where one is full
+            score = tokens / cost(n + len(order))
+            if score > best:
+                best, best_d = score, len(order)
+            elif last is not None and score < last:
+                break  # past the first draft, the drafts left bring less than they cost
+            last = score
         plan: dict[str, int] = {}
-        for gain, rid in gains:
-            longer = seconds_of(n + 1)
-            if gain * seconds <= MARGIN * tokens * (longer - seconds):
-                break
+        for rid in order[:best_d]:
             plan[rid] = plan.get(rid, 0) + 1
-            tokens, seconds, n = tokens + gain, longer, n + 1
         return plan

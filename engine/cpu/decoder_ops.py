@@ -94,6 +94,9 @@ class DecoderOps:
         self.gemm_fm_max_tokens = native_gemm_token_limit(isa, host_cpu_vendor())
         if not self.gemm_fm_max_tokens:
             self._gemm = None  # built, but MKL is the better choice on this CPU
+        # Tokens per panel the native GEMM streams the weights once for (its tile's NR): a
+        # step costs by whole panels (speculation's step-time model reads it). 1: unknown.
+        self.token_panel = {2: 16, 512: 32}.get(isa, 1) if self._gemm else 1
         # Weights go to the W16 layout where the AVX-512 build runs every GEMM, so nothing
         # needs the row-major copy (the AVX2 build leaves large steps to MKL).
         self.packs_weights = self._gemm is not None and isa == 512

@@ -231,9 +231,15 @@ def speculator_for(config: EngineConfig, runner, tokenizer) -> Speculator | None
     spec = config.speculative
     if not spec.enabled:
         return None
+    proposer = None
     if spec.method == "draft_model":
         proposer = DraftModelProposer(config, runner, tokenizer)
         if spec.rejection_sampling:
             runner.use_draft_probs(proposer.draft_probs)
-        return Speculator(spec, proposer)
-    return Speculator(spec)
+    return Speculator(spec, proposer, token_tile=step_token_tile(runner))
+
+
+def step_token_tile(runner) -> int:
+    """Tokens a step's cost moves by: the native CPU GEMM's panel, where it runs; else 1."""
+    ops = getattr(getattr(runner, "model", None), "ops", None)
+    return getattr(ops, "token_panel", 1)

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from engine.async_engine import AsyncLLMEngine
+from engine.core.fixed_proposers import ReplayProposer
 from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.llm_engine import LLMEngine
 from tests.conftest import build_engine
@@ -264,3 +265,24 @@ def test_async_engine_streams_with_steps_in_flight(tiny_model):
         return {f"r{i}": t for i, t in enumerate(got)}
 
     assert asyncio.run(main()) == sync.tokens
+
+
+def test_a_speculator_that_drafts_nothing_leaves_steps_launched_ahead(tiny_model):
+    """Where the adaptive rule finds no draft worth its step, steps are launched ahead as
+    without speculation; where it drafts, the step after waits for the verified tokens."""
+    requests = {f"r{i}": ("ab ab ab ab " * (i + 1), greedy(16)) for i in range(3)}
+    sync = StepWatch(build_engine(tiny_model)).run(requests)
+    quiet = build_engine(tiny_model, deferred_steps=True, speculative={"enabled": True})
+    times = quiet.scheduler.speculator.times
+    times.observe(1, 0.001, drafted=False)
+    times.observe(4, 10.0, drafted=True)  # a drafted step would cost ten seconds
+    assert StepWatch(quiet).run(requests).tokens == sync.tokens
+    assert quiet.core.num_continuations > 5
+    assert quiet.scheduler.stats().spec.num_draft_tokens == 0
+    drafting = build_engine(
+        tiny_model, deferred_steps=True, speculative={"enabled": True, "adaptive": False}
+    )
+    drafting.scheduler.speculator.proposer = ReplayProposer(sync.tokens, 0.6, vocab_size=100)
+    assert StepWatch(drafting).run(requests).tokens == sync.tokens
+    assert drafting.scheduler.stats().spec.num_draft_tokens > 0
+    assert drafting.core.num_continuations == 0

@@ -5,6 +5,7 @@ and the counters /metrics reads."""
 from __future__ import annotations
 
 from engine.core.config import SchedulerConfig, SpeculativeConfig
+from engine.core.fixed_proposers import ReplayProposer
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer
 from engine.core.outputs import ModelRunnerOutput
@@ -12,7 +13,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.speculator import Speculator
-from engine.core.step_time_model import StepTimeModel
+from engine.core.step_time_model import StepTimeModel, StepTimes
 
 
 def request(tokens: list[int], rid: str = "r", max_tokens: int = 50) -> Request:
@@ -57,33 +58,111 @@ def test_step_time_model_reads_between_and_beyond_measured_step_sizes():
     assert abs(model.seconds(128) - (0.090 + 64 * (0.056 / 48))) < 1e-12  # the last slope
 
 
-def _speculator(points: dict[int, float], rates: dict[str, float]) -> Speculator:
+def _speculator(
+    plain: dict[int, float], drafted: dict[int, float], rates: dict[str, float]
+) -> Speculator:
     spec = Speculator(SpeculativeConfig(enabled=True, num_speculative_tokens=4))
-    for n, seconds in points.items():
-        spec.observe_step(n, seconds)
+    for points, kind in ((plain, False), (drafted, True)):
+        for n, seconds in points.items():
+            spec.observe_step(n, seconds, kind)
     for rid, p in rates.items():  # twenty verifications of four drafts at that acceptance
         for _ in range(20):
             spec.verified(rid, 4, 4 if p == 1.0 else round(p / (1 - p)))
     return spec
 
 
+def _batch(n: int, acceptance: float, spec: Speculator) -> list[tuple[Request, int]]:
+    """`n` decoding requests that may draft four tokens each, each with twenty verifications
+    at `acceptance` (one accepted of every four drafts: 0.25; all: 1.0)."""
+    batch = [(request([1], str(i)), 4) for i in range(n)]
+    for r, _ in batch:
+        for _ in range(20):
+            spec.verified(r.request_id, 4, round(4 * acceptance))
+    return batch
+
+
+def test_drafted_steps_are_read_as_their_excess_over_the_plain_step():
+    times = StepTimes()
+    times.observe(32, 0.047, drafted=False)
+    times.observe(33, 0.062, drafted=True)  # the switch costs 15 ms
+    assert times.ready
+    assert abs(times.drafted_seconds(64) - 0.062) < 1e-12  # one of each: flat
+    times.observe(64, 0.080, drafted=False)
+    # The 15 ms carried along the plain curve.
+    assert abs(times.drafted_seconds(64) - 0.095) < 1e-12
+    times.observe(128, 0.200, drafted=True)  # 200 ms over a plain 128 read as 146 ms
+    excess_128 = 0.200 - times.plain_seconds(128)
+    assert abs(times.drafted_seconds(128) - 0.200) < 1e-12
+    middle = times.drafted_seconds(80) - times.plain_seconds(80)
+    assert 0.015 < middle < excess_128  # excesses interpolated between their sizes
+    # The host slows down: plain steps take 30% longer; drafted ones keep their excess.
+    for _ in range(20):
+        times.observe(32, 0.047 * 1.3, drafted=False)
+    assert times.drafted_seconds(33) - times.plain_seconds(33) > 0.014
+
+
 def test_adaptive_rule_drafts_where_steps_are_weight_bound_and_stops_where_compute_is():
     # Five tokens cost hardly more than one: all four drafts pay at batch 1.
-    spec = _speculator({1: 0.020, 5: 0.0204, 64: 0.030}, {"a": 0.8})
-    assert spec._plan([request([1], "a")]) == {"a": 4}
+    spec = _speculator({1: 0.020}, {2: 0.0202, 5: 0.0204, 64: 0.030}, {"a": 0.8})
+    assert spec._plan(1, [(request([1], "a"), 4)]) == {"a": 4}
     # Compute-bound from 16 tokens on: at batch 64 a draft costs more than it brings.
-    spec = _speculator({16: 0.030, 64: 0.090, 128: 0.170}, {})
-    batch = [request([1], str(i)) for i in range(64)]
-    for r in batch:
-        for _ in range(20):
-            spec.verified(r.request_id, 4, 1)
-    assert spec._plan(batch) == {}
+    spec = _speculator({16: 0.030, 64: 0.090}, {65: 0.092, 128: 0.170}, {})
+    assert spec._plan(64, _batch(64, 0.25, spec)) == {}
+
+
+def test_a_first_draft_pays_for_the_steps_switch_to_verification():
+    # Batch 32: plain steps 47 ms; one drafted row takes the step to 62 ms, all 32 to 88.
+    spec = _speculator({16: 0.040, 32: 0.047}, {33: 0.062, 64: 0.088}, {})
+    batch = _batch(32, 0.5, spec)
+    assert spec._plan(32, batch) == {}  # 0.5 a row: 48 tokens in 88 ms < 32 in 47
+    spec = _speculator({16: 0.040, 32: 0.047}, {33: 0.062, 64: 0.088}, {})
+    plan = spec._plan(32, _batch(32, 1.0, spec))
+    assert sum(plan.values()) >= 32  # every row drafts: 64 tokens in 88 ms > 32 in 47
+    # Where a few more tokens cost hardly anything, only the switch's cost stops a draft.
+    flat = {16: 0.040, 32: 0.047, 40: 0.048, 64: 0.088}
+    spec = _speculator(flat, {33: 0.062}, {})
+    assert spec._plan(32, _batch(32, 0.5, spec)) == {}
+    spec = _speculator(flat, {33: 0.047}, {})
+    assert spec._plan(32, _batch(32, 0.5, spec))
+
+
+def test_steps_priced_by_whole_tiles_fill_the_last_tile_with_drafts():
+    # The CPU's GEMM streams the weights once per 16 tokens: 17 tokens cost as 32 do.
+    model = StepTimeModel(tile=16)
+    for n, seconds in ((16, 0.027), (17, 0.042), (32, 0.042), (48, 0.058)):
+        model.observe(n, seconds)
+    assert model.seconds(16) == 0.027 and model.seconds(20) == model.seconds(32) == 0.042
+    spec = Speculator(SpeculativeConfig(enabled=True), token_tile=16)
+    for n, seconds in ((16, 0.027), (32, 0.042), (48, 0.058)):
+        spec.observe_step(n, seconds, False)
+    spec.observe_step(32, 0.0425, True)
+    # 17 rows: the 15 drafts that fill the second tile are nearly free, the next tile's not.
+    assert sum(spec._plan(17, _batch(17, 0.5, spec)).values()) == 15
 
 
 def test_adaptive_rule_gives_more_drafts_to_requests_that_accept_more():
-    spec = _speculator({2: 0.020, 8: 0.024, 32: 0.060}, {"good": 1.0, "poor": 0.25})
-    plan = spec._plan([request([1], "good"), request([1], "poor")])
+    spec = _speculator({2: 0.020}, {3: 0.021, 8: 0.024, 32: 0.060}, {"good": 1.0, "poor": 0.25})
+    batch = [(request([1], "good"), 4), (request([1], "poor"), 4)]
+    plan = spec._plan(2, batch)
     assert plan.get("good", 0) > plan.get("poor", 0)
+
+
+def test_a_replica_whose_drafts_failed_tries_new_requests_again_after_a_while():
+    spec = _speculator({1: 0.020}, {2: 0.024, 5: 0.026}, {})  # a draft costs a fifth
+    spec.proposer = ReplayProposer({"new": [7] * 40}, acceptance=1.0, vocab_size=100)
+    for i in range(40):
+        spec.verified(f"old{i}", 4, 0)
+    fresh = request([1, 2, 3], "new")
+    fresh.num_computed_tokens = 2  # decoding: its last token to compute
+    assert spec.acceptance("new") < 0.05
+    spec.begin_step([fresh])
+    assert spec.drafts(fresh, 10) == []  # not worth a draft
+    for _ in range(500):  # steps without drafts
+        spec.begin_step([])
+    assert spec.acceptance("new") > 0.3
+    spec._num_steps = 1  # not a step that measures a plain step
+    spec.begin_step([fresh])
+    assert spec.drafts(fresh, 10)[:1] == [7]
 
 
 def test_lookahead_slots_of_rejected_drafts_go_back_and_are_never_cached():
