@@ -44,11 +44,6 @@ class StepTimeModel:
     def num_bands(self) -> int:
         return len(self._bands)
 
-    @property
-    def ready(self) -> bool:
-        """Two step sizes measured: enough to read a cost per token."""
-        return len(self._bands) >= 2
-
     def seconds_within(self, num_tokens: float) -> float:
         """As `seconds`, but flat above the largest size measured (needs one band)."""
         ns, ts = self._read_points()
