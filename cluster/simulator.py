@@ -23,6 +23,8 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, Specu
 from engine.core.engine_core import EngineCore
 from engine.core.fixed_proposers import SimulatedDrafts
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.lora_config import LoRAConfig
+from engine.core.lora_slots import LoRARequest, LoRASlots
 from engine.core.policy import BatchingPolicy, ExternalLimits
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -70,6 +72,8 @@ class SimConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # With speculation on: the chance a draft counts (while the drafts before it did).
     spec_acceptance: float = 0.7
+    # LoRA adapters (requests name them: SimRequest.adapter): slots, and the rank priced.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def for_engine(
@@ -83,6 +87,7 @@ class SimConfig:
         cache = replace(engine.cache, enable_prefix_caching=False)
         tp_model = model.with_tp(engine.tensor_parallel_size).quantized(engine.quantization)
         changes.setdefault("speculative", engine.speculative)
+        changes.setdefault("lora", engine.lora)
         return cls(tp_model, gpu, scheduler=scheduler, cache=cache, **changes)
 
     def with_scheduler(self, **changes: Any) -> SimConfig:
@@ -143,13 +148,16 @@ class SimReplica:
             c.cache,
             c.scheduler.max_model_len,
             spec_acceptance=c.spec_acceptance,
+            lora_rank=c.lora.max_lora_rank if c.lora.enabled else 0,
         )
         kv = KVCacheManager(
             self.runner.num_kv_blocks(), c.cache.block_size, c.cache.enable_prefix_caching
         )
         sched_config = c.scheduler
         speculator = Speculator(c.speculative, SimulatedDrafts()) if c.speculative.enabled else None
-        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator)
+        slots = LoRASlots(c.lora.max_loras) if c.lora.enabled else None
+        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator, slots)
+        self._adapters: dict[str, LoRARequest] = {}
         # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
         policy: BatchingPolicy | None = (
             None
@@ -186,7 +194,13 @@ class SimReplica:
         if prompt is None:
             prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
         params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
-        request = Request(req.request_id, prompt, params, (), req.arrival_s)
+        lora = None
+        if req.adapter is not None and self.config.lora.enabled:
+            lora = self._adapters.get(req.adapter)
+            if lora is None:
+                lora = LoRARequest(req.adapter, len(self._adapters) + 1, "")
+                self._adapters[req.adapter] = lora
+        request = Request(req.request_id, prompt, params, (), req.arrival_s, lora=lora)
         self.scheduler.add_request(request)
         self.live[req.request_id] = request
 

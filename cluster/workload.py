@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +27,7 @@ class SimRequest:
     arrival_s: float
     prompt_len: int
     output_len: int
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,12 @@ def make_workload(
     output: LengthDist = CHAT_OUTPUT,
     seed: int = 0,
     burstiness: float = 3.0,
+    adapters: int = 0,
+    adapter_zipf: bool = False,
 ) -> list[SimRequest]:
-    """`num_requests` requests; `rate` is requests/s for poisson and bursty arrivals."""
+    """`num_requests` requests; `rate` is requests/s for poisson and bursty arrivals. With
+    `adapters`, each names one of that many LoRA adapters, drawn uniformly or by Zipf's law
+    (s = 1)."""
     if num_requests < 0 or (arrival != "offline" and rate <= 0):
         raise ValueError("need num_requests >= 0 and rate > 0")
     rng = random.Random(seed)
@@ -75,7 +80,13 @@ def make_workload(
         elif arrival == "bursty":  # gamma with mean 1/rate and CV = burstiness
             shape = 1.0 / burstiness**2
             t += rng.gammavariate(shape, 1.0 / (rate * shape))
-        out.append(SimRequest(f"r{i}", t, prompt.sample(rng), output.sample(rng)))
+        request = SimRequest(f"r{i}", t, prompt.sample(rng), output.sample(rng))
+        out.append(request)
+    if adapters:  # a draw of their own: the same lengths and arrivals with or without
+        draws = random.Random(seed + 1)
+        weights = [1.0 / (k + 1) for k in range(adapters)] if adapter_zipf else None
+        names = draws.choices([f"adapter-{k}" for k in range(adapters)], weights, k=len(out))
+        out = [replace(r, adapter=name) for r, name in zip(out, names, strict=True)]
     return out
 
 
@@ -133,6 +144,7 @@ def load_trace(path: str | Path) -> list[SimRequest]:
                 float(row["arrival_s"]),
                 int(row["prompt_len"]),
                 int(row["output_len"]),
+                row.get("adapter"),
             )
         )
     return sorted(out, key=lambda r: r.arrival_s)

@@ -47,12 +47,16 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         resume: Resume | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """`lora`: the LoRA adapter to run with, (name, directory)."""
         if request_id in self._streams:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already in use")
         # ValueError: bad input. A grammar compiles off the event loop (a big schema takes time).
-        make = partial(self.engine.make_request, request_id, prompt, params, priority, resume)
-        request = await asyncio.to_thread(make) if params and params.structured else make()
+        make = partial(self.engine.make_request, request_id, prompt, params, priority, resume, lora)
+        # A grammar, or an adapter read for the first time, takes a while: off the loop.
+        slow = (params and params.structured) or (lora and not self.engine.loras.holds(*lora))
+        request = await asyncio.to_thread(make) if slow else make()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._pending_adds.append(request)

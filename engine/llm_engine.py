@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore, StepResult
 from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats, TokenLogprob
+from engine.core.lora_slots import LoRASlots
+from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats
 from engine.core.policy import BatchingPolicy
 from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams, check_in_vocabulary
@@ -19,24 +20,13 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_state import check_request
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar_bank import GrammarBank
+from engine.lora.registry import LoRARegistry
 from engine.model.stop_tokens import eos_token_ids
 from engine.runner.base import ModelRunner
 from engine.runner.draft_proposer import speculator_for
+from engine.tracked_request import TrackedRequest, logprobs_of
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    # When the request asks: filled by position as its prompt computes (a recomputed chunk
-    # writes the same values again), sent on its first delta, then dropped.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
-        taken, self.prompt_logprobs = self.prompt_logprobs, None
-        return taken
 
 
 class LLMEngine:
@@ -55,7 +45,7 @@ class LLMEngine:
         tokenizer=None,
         clock: Clock | None = None,
     ) -> None:
-        from engine.model.loader import check_model_dir
+        from engine.model.loader import check_model_dir, read_spec
 
         check_model_dir(config.model)
         if tokenizer is None:
@@ -80,9 +70,11 @@ class LLMEngine:
         )
         self.clock = clock or MonotonicClock()
         speculator = speculator_for(config, runner, tokenizer)
-        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator)
+        self.loras = LoRARegistry(config.lora, read_spec(config.model))  # served, by name
+        slots = LoRASlots(config.lora.max_loras) if config.lora.enabled else None
+        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator, slots)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self._grammars: GrammarBank | None = None  # made for the first structured request
         self._grammars_made = threading.Lock()
         # Steps whose forward raised, since the last that ran: a replica's health reads it.
@@ -117,8 +109,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         resume: Resume | None = None,
+        lora: str | tuple[str, str] | None = None,
     ) -> Request:
-        """Validate and tokenize without touching engine state (safe from any thread)."""
+        """Validate and tokenize without touching engine state (safe from any thread);
+        `lora` names the LoRA adapter to run with, or gives (name, directory)."""
         params = params or SamplingParams()
         params.validate()
         token_ids = self.tokenize(prompt)
@@ -129,7 +123,12 @@ class LLMEngine:
         check_in_vocabulary("logit_bias", params.logit_bias, vocab)
         if params.structured is not None:  # compiled here, off the step loop (and cached)
             self.grammar_bank(params.structured.param).compile(params.structured)
-        request = Request(request_id, token_ids, params, self.eos_token_ids, priority=priority)
+        adapter = None
+        if lora is not None:
+            adapter = self.loras.resolve(*((lora,) if isinstance(lora, str) else lora))
+        request = Request(
+            request_id, token_ids, params, self.eos_token_ids, priority=priority, lora=adapter
+        )
         check_request(self.scheduler, request)
         if resume is not None:
             done = resume.output_token_ids
@@ -145,8 +144,9 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> None:
-        self.add_prepared(self.make_request(request_id, prompt, params, priority))
+        self.add_prepared(self.make_request(request_id, prompt, params, priority, lora=lora))
 
     def grammar_bank(self, param: str = "response_format") -> GrammarBank:
         """The engine's structured-output grammars; the runner masks its rows' logits."""
@@ -172,7 +172,7 @@ class LLMEngine:
         if request.resumed is not None:  # the text so far, of which the client has some
             detok.update(request.resumed.output_token_ids, finished=False)
             detok.emitted = request.resumed.num_text_chars
-        tracked = _Tracked(request, detok)
+        tracked = TrackedRequest(request, detok)
         if request.sampling_params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None] * request.num_prompt_tokens
         self._tracked[request.request_id] = tracked
@@ -259,7 +259,7 @@ class LLMEngine:
                         else None
                     ),
                     num_preemptions=req.num_preemptions,
-                    logprobs=_logprobs_of(result.logprobs, core.request_id, new_ids),
+                    logprobs=logprobs_of(result.logprobs, core.request_id, new_ids),
                     prompt_logprobs=tracked.take_prompt_logprobs(),
                 )
             )
@@ -269,7 +269,7 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 
-    def _drop(self, request_id: str) -> _Tracked | None:
+    def _drop(self, request_id: str) -> TrackedRequest | None:
         """Forget an ended request (its grammar's matcher too)."""
         if self._grammars is not None:
             self._grammars.forget([request_id])
@@ -286,15 +286,10 @@ class LLMEngine:
         self,
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        loras: list[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run prompts to completion; results in prompt order."""
+        """Run prompts to completion (each with its LoRA adapter where `loras` names one);
+        results in prompt order."""
         from engine.offline import run_to_completion
 
-        return run_to_completion(self, prompts, params)
-
-
-def _logprobs_of(
-    logprobs: dict[str, TokenLogprob], request_id: str, new_token_ids: list[int]
-) -> list[TokenLogprob] | None:
-    entry = logprobs.get(request_id)
-    return [entry] if entry is not None and new_token_ids else None
+        return run_to_completion(self, prompts, params, loras)

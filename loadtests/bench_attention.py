@@ -25,6 +25,7 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.errors import InvalidParam
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
+from engine.cpu.packed_weights import weight_bytes
 from engine.runner.torch_runner import TorchModelRunner
 from loadtests.peaks import peak_gemm_flops, peak_read_bandwidth, timed
 
@@ -58,11 +59,6 @@ def _forward(runner: TorchModelRunner, backend, ids, positions, layout, logits_a
     runner.model(ids, positions, runner.kv_caches, backend, metadata, logits_at)
 
 
-def _weight_bytes(runner: TorchModelRunner) -> int:
-    tensors = {id(p): p for p in runner.model.parameters()}
-    return sum(p.numel() * p.element_size() for p in tensors.values())
-
-
 def _kv_bytes_per_token(runner: TorchModelRunner) -> int:
     return runner.bytes_per_block() // runner.block_size  # every layer's K and V
 
@@ -94,7 +90,7 @@ def bench(args: argparse.Namespace) -> dict:
     device, spec = args.device, runner.spec
     bandwidth = peak_read_bandwidth(device=device)
     matmul_peak = peak_gemm_flops(device=device, dtype=args.dtype)
-    weights = _weight_bytes(runner)
+    weights = weight_bytes(runner.model)
     shape = AttentionShape(runner.device.type, args.dtype, spec.head_dim, bs)
     scale = spec.head_dim**-0.5
     rows = []

@@ -11,6 +11,7 @@ from cluster.controller import ClusterController
 from serve_app.config import AppArgs, AutoscalingArgs
 from serve_app.engine_server import EngineServer
 from serve_app.ingress import OpenAIIngress
+from serve_app.lora_board import LoRABoard
 from serve_app.metrics_board import EngineMetricsBoard
 
 # Serve's own limit on requests in flight at an engine replica sits above the replica's
@@ -34,6 +35,11 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     board = EngineMetricsBoard.options(ray_actor_options={"num_cpus": 0}).bind(
         app_args.model_name, app_args.controller.stale_after_s
     )
+    lora_board = None
+    if app_args.engine.lora.enabled:  # the adapters served, for every ingress replica
+        lora_board = LoRABoard.options(ray_actor_options={"num_cpus": 0}).bind(
+            dict(app_args.engine.lora.adapters)
+        )
     engine_res = app_args.engine_replicas
     actor_options: dict[str, Any] = {
         "num_cpus": engine_res.num_cpus,
@@ -79,7 +85,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             # less per chunk.
             "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
         },
-    ).bind(engine, plain, controller, board)
+    ).bind(engine, plain, controller, board, lora_board)
 
 
 def _autoscaling_config(scaling: AutoscalingArgs) -> dict[str, Any]:

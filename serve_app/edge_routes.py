@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.core.errors import InvalidParam
 from serve_app.api_policy import ApiArgs, key_accepted
 from serve_app.errors import OpenAIError
+from serve_app.lora_names import AdapterNames
 from serve_app.openai_protocol import ChatMessage
 from serve_app.prompts import PromptBuilder
 
@@ -27,6 +28,7 @@ class EdgeState:
     root: str  # the checkpoint directory
     created: int
     api_keys: frozenset[str] = frozenset()
+    adapters: AdapterNames | None = None  # LoRA adapters, listed as models of their own
 
     def card(self) -> dict[str, Any]:
         return {
@@ -66,12 +68,23 @@ def _edge(request: Request, model: str | None) -> EdgeState:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_edge(request, None).card()]}
+    """The base model, then each LoRA adapter (its `parent` the base, as vLLM lists them)."""
+    edge = _edge(request, None)
+    base = edge.card()
+    cards = [base]
+    if edge.adapters is not None:
+        for name, path in (await edge.adapters.listed()).items():
+            cards.append(base | {"id": name, "root": path, "parent": edge.model_name})
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict[str, Any]:
-    return _edge(request, model_id).card()
+    edge: EdgeState = request.app.state.edge
+    for card in (await models(request))["data"]:
+        if card["id"] == model_id:
+            return card
+    raise OpenAIError.model_not_found(model_id, edge.model_name)
 
 
 @router.post("/tokenize")

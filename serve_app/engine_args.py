@@ -1,6 +1,7 @@
 """deploy.yaml's `engine:` section: every knob of the engine's core records but the model,
 flat, under the same name, with the same default and description (engine/core/config.py
-defines each once); speculative decoding's knobs are one block of their own, `speculative:`."""
+defines each once); speculative decoding's and LoRA adapters' knobs are blocks of their
+own, `speculative:` and `lora:`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core.lora_config import LoRAConfig
 
 _ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
-_NOT_ENGINE_ARGS = {"model", "cache", "scheduler", "speculative"}
+_NOT_ENGINE_ARGS = {"model", "cache", "scheduler", "speculative", "lora"}
 
 
 def _fields_of(*records: type, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -21,8 +23,16 @@ def _fields_of(*records: type, skip: frozenset[str] = frozenset()) -> dict[str, 
     for record in records:
         hints = typing.get_type_hints(record)
         for f in dataclasses.fields(record):
-            if f.name not in skip:
-                fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
+            if f.name in skip:
+                continue
+            doc = f.metadata["doc"]
+            if f.default_factory is not dataclasses.MISSING:
+                fields[f.name] = (
+                    hints[f.name],
+                    Field(default_factory=f.default_factory, description=doc),
+                )
+            else:
+                fields[f.name] = (hints[f.name], Field(f.default, description=doc))
     return fields
 
 
@@ -37,12 +47,20 @@ SpeculativeArgs = create_model(
     **_fields_of(SpeculativeConfig),
 )
 
+LoRAArgs = create_model(
+    "LoRAArgs", __base__=_Strict, __doc__=LoRAConfig.__doc__, **_fields_of(LoRAConfig)
+)
+
 
 def _engine_fields() -> dict[str, Any]:
     fields = _fields_of(*_ENGINE_RECORDS, skip=frozenset(_NOT_ENGINE_ARGS))
     fields["speculative"] = (
         SpeculativeArgs,
         Field(default_factory=SpeculativeArgs, description=SpeculativeConfig.__doc__),
+    )
+    fields["lora"] = (
+        LoRAArgs,
+        Field(default_factory=LoRAArgs, description=LoRAConfig.__doc__),
     )
     return fields
 
@@ -65,6 +83,7 @@ class _EngineArgsBase(BaseModel):
             cache=CacheConfig(**take(CacheConfig)),
             scheduler=SchedulerConfig(**take(SchedulerConfig)),
             speculative=SpeculativeConfig(**values["speculative"]),
+            lora=LoRAConfig(**values["lora"]),
             **take(EngineConfig),
         )
 

@@ -29,7 +29,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.request import Resume
 from engine.core.sampling_params import SamplingParams
 from serve_app.delta_channel import ChannelledFirst, DeltaChannels
-from serve_app.engine_server import EngineRejection
+from serve_app.engine_rejection import EngineRejection
 from serve_app.errors import OpenAIError
 from serve_app.responses import Choice
 from serve_app.streaming import Prepared, RequestStream
@@ -211,6 +211,7 @@ class EngineClient:
                 replica_id=replica_id,
                 resume=resume,
                 caller=None if self.channels is not None else self.caller,
+                lora=seq.prep.lora,
             )
             first, at = await self._first(stream)
         except BaseException:  # an error answer, or the client left before the first token

@@ -12,8 +12,8 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import asdict
+from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -30,18 +30,10 @@ from engine.core.sampling_params import SamplingParams
 from serve_app import tracing
 from serve_app.config import AppArgs
 from serve_app.delta_channel import ChannelledFirst, Outboxes, channel_name
+from serve_app.engine_rejection import EngineRejection
 from serve_app.replica_health import health_problem
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineRejection:
-    """Why an engine replica did not take a request; the ingress maps it to an HTTP status."""
-
-    kind: Literal["overloaded", "invalid_request", "elsewhere"]
-    message: str
-    param: str | None = None
 
 
 @serve.deployment(name="EngineServer")
@@ -103,6 +95,7 @@ class EngineServer:
         replica_id: str | None = None,
         resume: Resume | None = None,
         caller: str | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
         deltas then go through that channel's subscription), then one delta per engine step
@@ -110,7 +103,8 @@ class EngineServer:
         ingress's request router, which sends the call to that replica (a request's further
         sequences, to the replica holding its prompt's KV blocks). `resume`: the request goes on
         from where it stopped at a replica that died. `caller`: the ingress replica's actor name
-        when there is no channel (the request ends if that actor dies)."""
+        when there is no channel (the request ends if that actor dies). `lora`: the LoRA
+        adapter (name, directory) the request runs with, loaded here at first use."""
         if replica_id is not None and replica_id != self.replica_id:
             # Serve's router may hand a choice made for another request to this one.
             yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
@@ -134,7 +128,7 @@ class EngineServer:
             span.event("queued", timestamp=tracing.wall_ns_of(started))
             try:
                 stream = self.engine.generate(
-                    prompt_token_ids, params, request_id, priority, resume
+                    prompt_token_ids, params, request_id, priority, resume, lora
                 )
                 first = await anext(stream)
             except InvalidParam as exc:  # bad input: names the field; everyone else goes on
@@ -273,10 +267,12 @@ class EngineServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Read by the ingress's request router (serve_app.router.LoadAwareRouter)."""
+        slots = self.engine.engine.scheduler.loras  # the LoRA adapters it holds
         return {
             "num_streams": self.engine.num_streams,
             "capacity": self.capacity,
             "routing_weight": self.decision.routing_weight,
+            "loras": slots.held_names() if slots is not None else [],
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.errors import InvalidParam
+from engine.core.lora_config import LoRAConfig
 from engine.core.outputs import RequestOutput
 from engine.model.loader import read_spec, resolve_max_model_len
 from serve_app import openai_protocol as oai
@@ -32,6 +33,8 @@ from serve_app.edge_routes import EdgeState, install_edge
 from serve_app.engine_client import EngineClient
 from serve_app.errors import OpenAIError, install_error_handlers
 from serve_app.logprobs_format import LogprobsFormatter
+from serve_app.lora_names import AdapterNames
+from serve_app.lora_routes import router as lora_router
 from serve_app.prompts import PromptBuilder
 from serve_app.responses import sse_events, whole_body
 from serve_app.streaming import Prepared, closing, runs_response
@@ -43,6 +46,7 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
 install_edge(app)
+app.include_router(lora_router)
 
 Body = oai.CompletionRequest | oai.ChatCompletionRequest
 
@@ -56,6 +60,7 @@ class OpenAIIngress:
         args: dict[str, Any] | AppArgs,
         controller: DeploymentHandle | None = None,
         metrics_board: DeploymentHandle | None = None,
+        lora_board: DeploymentHandle | None = None,
     ) -> None:
         self.args = AppArgs.model_validate(args)
         self.model_name = self.args.model_name
@@ -63,6 +68,8 @@ class OpenAIIngress:
         spec = read_spec(self.args.model)
         self.max_model_len = resolve_max_model_len(self.args.engine.max_model_len, spec)
         self.prompts = PromptBuilder(self.args.model)
+        lora = LoRAConfig(**self.args.engine.lora.model_dump())
+        self.adapters = app.state.adapters = AdapterNames(self.model_name, lora, spec, lora_board)
         context = serve.get_replica_context()
         # The engine replicas watch this actor: its requests end if it dies.
         owner = context.replica_id.to_full_id_str() if context else "local"
@@ -93,6 +100,7 @@ class OpenAIIngress:
             self.args.model,
             oai.now(),
             self.args.api.keys(),
+            self.adapters,
         )
 
     # ------------------------------------------------------------------------ endpoints
@@ -155,7 +163,7 @@ class OpenAIIngress:
                 ignored = self._ignored(body)
                 if ignored:
                     headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
-                prep = self._prepare(endpoint, body)
+                prep = self._prepare(endpoint, body, await self.adapters.resolve(body.model))
                 choices = await self.client.start_choices(
                     prep, body.num_sequences, span.carrier(), body.priority
                 )
@@ -195,9 +203,8 @@ class OpenAIIngress:
         self.ignored.note(ignored)
         return ignored
 
-    def _prepare(self, endpoint: str, body: Body) -> Prepared:
-        if body.model != self.model_name:
-            raise OpenAIError.model_not_found(body.model, self.model_name)
+    def _prepare(self, endpoint: str, body: Body, lora: tuple[str, str] | None) -> Prepared:
+        """`lora`: the LoRA adapter `body.model` names (name, directory), or None."""
         unsupported = body.unsupported()
         if unsupported is not None:
             raise OpenAIError(400, unsupported[1], param=unsupported[0])
@@ -255,6 +262,7 @@ class OpenAIIngress:
             echo_text=echo_text,
             tools=planned[0] if planned else None,
             reasoning=endpoint == "chat" and self.args.api.reasoning_parser == "think",
+            lora=lora,
         )
 
     def _too_long(self, endpoint: str, prompt: int, completion: int) -> OpenAIError:

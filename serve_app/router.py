@@ -6,7 +6,10 @@ which the router updates on every send and every probe, falling back to the repl
 replica (below 1 when its latency is over the deployment's SLA target). Prefix affinity uses
 rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids, so every
 ingress replica sends the same prefix to the same engine replica without sharing state, and a
-replica joining or leaving moves only its own share of prefixes.
+replica joining or leaving moves only its own share of prefixes. A request with a LoRA adapter
+goes first to the least loaded replica that holds the adapter in a slot (its
+`record_routing_stats()` lists them), unless that one is busier than the least loaded by over
+`max_imbalance`; elsewhere the replica loads it.
 
 A call with a `replica_id` keyword (an ingress subscribing to its delta channel at one engine
 replica, serve_app.delta_channel) goes to that replica only. Serve's FIFOMixin hands a choice
@@ -79,6 +82,13 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         # Shuffle first so equally loaded replicas share the work.
         ranked = random.sample(candidate_replicas, len(candidate_replicas))
         ranked.sort(key=self.replica_load)
+        lora = pending_request.kwargs.get("lora") if pending_request else None
+        if lora is not None and len(ranked) > 1:  # where its adapter is loaded, if not busier
+            holders = [r for r in ranked if lora[0] in (r.routing_stats or {}).get("loras", ())]
+            if holders and (
+                self.replica_load(holders[0]) - self.replica_load(ranked[0]) <= self.max_imbalance
+            ):
+                return [holders, [r for r in ranked if r not in holders]]
         prompt = _prompt_of(pending_request)
         if self.prefix_affinity and prompt and len(ranked) > 1:
             by_id = {r.replica_id.unique_id: r for r in ranked}

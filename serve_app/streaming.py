@@ -52,6 +52,7 @@ class Prepared:
     echo_text: str | None = None  # completions' `echo`: the prompt, before each choice's text
     tools: ToolPlan | None = None  # chat: how the output becomes tool calls
     reasoning: bool = False  # chat: a leading <think>...</think> is reasoning_content
+    lora: tuple[str, str] | None = None  # the LoRA adapter it runs with: (name, directory)
 
 
 class RequestStream:

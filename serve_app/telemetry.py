@@ -174,6 +174,24 @@ class _EngineCollector:
             for part, result, reason in stats.self_check_verdicts:
                 checks.add_metric([*labels, part, result, reason], 1.0)
         yield checks
+        loras = GaugeMetricFamily(
+            "dynabatch:lora_requests_info",
+            "LoRA adapters of each engine replica (vLLM's lora_requests_info): its slots and "
+            "the adapters of its running and waiting requests (always 1).",
+            labels=[
+                "model_name",
+                "replica",
+                "max_lora",
+                "running_lora_adapters",
+                "waiting_lora_adapters",
+            ],
+        )
+        for labels, stats, _ in rows:
+            sched = stats.scheduler
+            if sched.max_loras:
+                running, waiting = ",".join(sched.running_loras), ",".join(sched.waiting_loras)
+                loras.add_metric([*labels, str(sched.max_loras), running, waiting], 1.0)
+        yield loras
         counters = {
             "num_preemptions": ("Preemptions.", lambda s: s.scheduler.num_preemptions_total),
             "prompt_tokens": (

@@ -38,13 +38,15 @@ def build_engine(
     kv_cache_dtype: str = "auto",
     calculate_kv_scales: bool = False,
     speculative: dict | None = None,
+    lora: dict | None = None,
     **scheduler,
 ):
     """An LLMEngine with an explicit small cache; `scheduler` holds SchedulerConfig fields.
     `deferred_steps`: steps stay in flight until collected, as a GPU's: True computes them
     then, "at_launch" at launch (tests/engine/deferred_runner.py). `speculative`: the
-    SpeculativeConfig's fields (speculation on)."""
+    SpeculativeConfig's fields (speculation on); `lora`: the LoRAConfig's (LoRA on)."""
     from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from engine.core.lora_config import LoRAConfig
     from engine.llm_engine import LLMEngine
     from tests.engine.deferred_runner import DeferredRunner, InFlightRunner
 
@@ -69,6 +71,7 @@ def build_engine(
         speculative=SpeculativeConfig(**{"enabled": True, **speculative})
         if speculative is not None
         else SpeculativeConfig(),
+        lora=LoRAConfig(**{"enabled": True, **lora}) if lora is not None else LoRAConfig(),
     )
     runners = {True: DeferredRunner, "at_launch": InFlightRunner}
     runner = runners[deferred_steps](config) if deferred_steps else None

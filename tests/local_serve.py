@@ -36,7 +36,11 @@ def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 
 def app_args(model: str, **overrides: Any) -> dict[str, Any]:
-    """deploy.yaml's args, resized for tests (smaller cache and context, two engine replicas)."""
+    """deploy.yaml's args, resized for tests (smaller cache and context, two engine replicas),
+    with LoRA adapters (tests/lora_adapters.py)."""
+    from tests.lora_adapters import lora_adapters
+
+    adapters = lora_adapters(model)
     test_sizes = {
         "model": model,
         "engine": {
@@ -46,6 +50,13 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
             # Drafting whenever prompt lookup finds drafts (not only where the adaptive rule
             # finds it pays): every test of this app goes through verification more.
             "speculative": {"enabled": True, "adaptive": False},
+            # sql from the start; chat and code from the search path at their first request.
+            "lora": {
+                "enabled": True,
+                "adapters": {"sql": adapters["sql"]},
+                "search_path": str(Path(adapters["sql"]).parent),
+                "max_loras": 2,
+            },
         },
         "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5},
         "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},

@@ -15,9 +15,10 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     # Set once the block is full and computed (prefix caching): the chained hash of
-    # (parent's hash, these tokens), the parent's hash, and the tokens, compared on every hit.
+    # (parent's hash, these tokens), the parent's hash (the first block's: its request's
+    # cache_salt), and the tokens, compared on every hit.
     block_hash: int | None = None
-    parent_hash: int | None = None
+    parent_hash: object = None
     token_ids: tuple[int, ...] | None = None
 
 
@@ -71,16 +72,14 @@ class BlockPool:
             block.ref_cnt += 1
 
     def register(
-        self, block: KVCacheBlock, block_hash: int, parent_hash: int | None, tokens: tuple
+        self, block: KVCacheBlock, block_hash: int, parent_hash: object, tokens: tuple
     ) -> None:
         """Record a full, computed block under its hash (first holder of a hash wins)."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
             self.cached[block_hash] = block
 
-    def lookup(
-        self, block_hash: int, parent_hash: int | None, tokens: tuple
-    ) -> KVCacheBlock | None:
+    def lookup(self, block_hash: int, parent_hash: object, tokens: tuple) -> KVCacheBlock | None:
         """The cached block with this content, verified by its tokens and parent, or None."""
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != tokens or block.parent_hash != parent_hash:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from engine.core.errors import InvalidParam
+from engine.core.lora_config import LoRAConfig
 
 SchedulingPolicy = Literal["fcfs", "priority", "sjf"]
 BatchingMode = Literal["continuous", "static"]
@@ -277,6 +278,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, Dtype)

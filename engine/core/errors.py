@@ -11,3 +11,12 @@ class InvalidParam(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class UnknownModel(InvalidParam):
+    """A request names a model (a LoRA adapter) this engine does not serve: OpenAI's 404
+    model_not_found."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__("model", message)
+        self.model = model

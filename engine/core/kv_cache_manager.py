@@ -109,7 +109,7 @@ class KVCacheManager:
             return []
         bs, tokens = self.block_size, request.all_token_ids
         hit: list[KVCacheBlock] = []
-        parent: int | None = None
+        parent: object = request.cache_salt
         for i in range((request.num_tokens - 1) // bs):  # leave the last token to compute
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash((parent, chunk))
@@ -150,7 +150,7 @@ class KVCacheManager:
             return
         bs, tokens = self.block_size, request.all_token_ids
         table = self._blocks[request.request_id]
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else request.cache_salt
         for i in range(len(hashes), n_full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash((parent, chunk))

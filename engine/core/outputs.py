@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.core.lora_slots import LoRALoad
     from engine.core.request import Request
 
 
@@ -39,6 +40,7 @@ class ScheduledRequest:
     # the request's last token on is sampled, each with its own counter, and the drafts
     # count while they equal those draws (engine/sampling/verification.py).
     num_drafts: int = 0
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +72,7 @@ class ScheduledRequest:
             banned,
             request.all_token_ids if sample and params.penalized else None,
             targets,
+            lora_slot=request.lora_slot,
         )
 
     @classmethod
@@ -95,6 +98,8 @@ class SchedulerOutput:
     # swap-out (device -> host) first, then every swap-in (host -> device), then runs the step.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Adapters the runner loads into their slots before the step (engine/core/lora_slots.py).
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -243,6 +248,10 @@ class SchedulerStats:
     num_swap_outs_total: int = 0
     num_free_host_blocks: int = 0
     spec: SpecDecodeStats | None = None  # with speculative decoding on
+    # LoRA adapters (with LoRA on): slots, and the adapters of running and waiting requests.
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclass

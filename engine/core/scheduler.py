@@ -10,6 +10,7 @@ from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import SchedulerConfig, SchedulerLimits
 from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.lora_slots import LoRASlots
 from engine.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -17,12 +18,13 @@ from engine.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from engine.core.preemption import preempt
+from engine.core.preemption import allocate_or_preempt
 from engine.core.request import Request, RequestStatus
 from engine.core.request_order import POLICY_KEYS, RESUME_GRACE_STEPS, aging_order, pick_victim
 from engine.core.scheduler_state import check_integrity, check_request, scheduler_stats
 from engine.core.speculator import Speculator
 from engine.core.step_stats import StepStats
+from engine.core.verified_rows import take_verified
 
 
 class Scheduler:
@@ -41,8 +43,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         clock: Clock | None = None,
         speculator: Speculator | None = None,
+        loras: LoRASlots | None = None,
     ) -> None:
         self.config = config
+        self.loras = loras  # the device's LoRA adapter slots (LoRA enabled)
         self.speculator = speculator  # drafts for decoding requests (speculative decoding)
         self.kv_cache = kv_cache
         self.clock = clock or MonotonicClock()
@@ -140,8 +144,8 @@ class Scheduler:
             # Most decode steps fit in the blocks held: skip the allocator (hot path).
             # NOTE: the same test as allocate_slots' "need <= 0" early return.
             if table is None or len(table) * block_size < computed + n:
-                if allocate(request, n) is None and not self._allocate_or_preempt(
-                    request, n, preempted, i
+                if allocate(request, n) is None and not allocate_or_preempt(
+                    self, request, n, preempted, i
                 ):
                     break  # the request itself was preempted; so was every one after it
                 table = table_of(request.request_id)
@@ -157,14 +161,21 @@ class Scheduler:
         if self.config.scheduling_policy != "fcfs" and len(self.waiting) > 1 and budget > 0:
             oldest = self.clock.now() - self.config.aging_s
             self.waiting = aging_order(self.waiting, self._key, oldest)
+        loras = self.loras
+        no_slot: list[Request] = []  # their adapters wait for a slot; the rest go ahead
         while not preempted and self.waiting and budget > 0 and self._may_admit():
             request = self.waiting[0]
+            if loras is not None and not loras.can_acquire(request.lora):
+                no_slot.append(self.waiting.popleft())
+                continue
             admitted = kv.admit_waiting(request, budget, request.status == RequestStatus.SWAPPED)
             if admitted is None:
                 break
             n, copies = admitted
             swap_in += copies
             self.waiting.popleft()
+            if loras is not None:
+                request.lora_slot = loras.acquire(request.lora)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock.now()
@@ -174,6 +185,7 @@ class Scheduler:
             self._static_admitted += 1
             scheduled.append(ScheduledRequest.of(request, n, kv.block_ids(request.request_id)))
             budget -= n
+        self.waiting.extendleft(reversed(no_slot))
 
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         self.num_steps_total += 1
@@ -186,6 +198,7 @@ class Scheduler:
             preempted_request_ids=preempted,
             blocks_to_swap_out=self._swap_out,
             blocks_to_swap_in=swap_in,
+            lora_loads=loras.take_loads() if loras is not None else [],
         )
 
     def update_from_output(
@@ -209,20 +222,9 @@ class Scheduler:
                 continue  # ended while the step ran
             if sched.num_drafts:  # its accepted drafts, then the target's next token
                 tokens = runner_output.spec_token_ids[sched.request_id]
-                request.num_drafts_in_flight = 0
-                self.speculator.verified(request.request_id, sched.num_drafts, len(tokens) - 1)
-                request.num_computed_tokens += len(tokens)  # the row's last token + accepted
-                if request.first_token_time is None:  # drafts after the prompt's last token
-                    request.first_token_time = now
-                tokens, status = request.append_outputs(tokens, max_model_len)
-                if status is not None:
-                    self._end(request, status)
-                    any_ended = True
-                else:  # the blocks of rejected drafts go back
-                    self.kv_cache.trim(request)
-                    if caching:
-                        cache_full_blocks(request)
-                emit(EngineCoreOutput(request.request_id, tokens, status and status.finish_reason))
+                out = take_verified(self, request, sched.num_drafts, tokens, now)
+                any_ended |= out.finished
+                emit(out)
                 continue
             n_new = len(sched.token_ids)
             request.num_computed_tokens += n_new
@@ -277,23 +279,17 @@ class Scheduler:
             return self._static_admitted < self.limits.max_num_seqs
         return True
 
-    def _allocate_or_preempt(
-        self, request: Request, n: int, preempted: list[str], position: int
-    ) -> bool:
-        """Allocate for `request` (at `position` in `running`), preempting requests ranked
-        after it, worst first, as needed. Returns False if `request` itself had to go."""
-        while self.kv_cache.allocate_slots(request, n) is None:
-            victim = self._pick_victim(position)
-            preempt(self, victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
-
     def _pick_victim(self, position: int) -> Request:
         return pick_victim(self.running, position, self.num_steps_total - RESUME_GRACE_STEPS)
 
+    def release_lora(self, request: Request) -> None:
+        """A running request leaves the running set: its adapter's slot may go to another."""
+        if self.loras is not None and request.lora_slot >= 0:
+            self.loras.release(request.lora)
+            request.lora_slot = -1
+
     def _end(self, request: Request, status: RequestStatus) -> None:
+        self.release_lora(request)
         request.status = status
         self.num_finished_total[status.value] += 1
         self.kv_cache.free(request.request_id)

@@ -42,7 +42,14 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
         num_swap_outs_total=s.num_swap_outs_total,
         num_free_host_blocks=s.kv_cache.num_free_host_blocks,
         spec=_spec_snapshot(s),
+        max_loras=s.loras.num_slots if s.loras is not None else 0,
+        running_loras=_adapter_names(s.running),
+        waiting_loras=_adapter_names(s.waiting),
     )
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def _spec_snapshot(s: Scheduler):
@@ -99,3 +106,9 @@ def check_integrity(s: Scheduler) -> None:
         held = len(s.kv_cache.block_ids(r.request_id))
         needed = s.kv_cache.blocks_needed(r.num_tokens + r.num_drafts_in_flight)
         assert held <= needed, f"{r}: {held} blocks held"
+    if s.loras is not None:  # a running request with an adapter holds its slot; none else
+        s.loras.check()
+        for r in s.running:
+            assert (r.lora is None) == (r.lora_slot < 0), f"{r}: slot {r.lora_slot}"
+        for r in s.waiting:
+            assert r.lora_slot < 0, f"{r} waits holding slot {r.lora_slot}"

@@ -51,3 +51,13 @@ class PackedLinear(nn.Module):
         linear.weight = nn.Parameter(self.weight.unpacked(), requires_grad=False)
         linear.bias = self.bias
         return linear
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s weights, shared tensors once, packed ones (not in its state_dict)
+    too."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            tensors[module.weight.data.data_ptr()] = module.weight.data
+    return sum(t.numel() * t.element_size() for t in tensors.values())

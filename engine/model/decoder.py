@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, KVScales, calculate_kv_scales
@@ -18,9 +17,11 @@ from engine.cpu.decoder_ops import DecoderOps
 from engine.cpu.packed_weights import PackedLinear
 from engine.model.linear_layers import LINEARS
 from engine.model.loader import DecoderSpec
+from engine.model.rms_norm import RMSNorm
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from engine.lora.layer_lora import LayerLoRA
     from engine.model.collectives import TensorParallel
 
 # Feature-major GEMMs win at decode batch sizes and not at prefill sizes, where the layout
@@ -28,22 +29,13 @@ if TYPE_CHECKING:
 FEATURE_MAJOR_MAX_TOKENS = 512
 
 
-class RMSNorm(nn.Module):
-    """As HF computes it: normalize in float32, scale in the model dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # Fused, and bit-identical to the formula below in float32 (checked by the oracle).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+def _adapted(
+    lora: LayerLoRA | None, module: str, out: torch.Tensor, x: torch.Tensor, dim: int = 0
+) -> torch.Tensor:
+    """`out`, the output of linear layer `module` on `x`, plus its rows' LoRA deltas."""
+    if lora is not None:
+        lora.add(module, out, x, dim)
+    return out
 
 
 class Attention(nn.Module):
@@ -68,6 +60,7 @@ class Attention(nn.Module):
         # `calculate_kv_scales`, the next step with tokens sets them from its keys and values.
         self.kv_scales: KVScales | None = None
         self.calculate_kv_scales = False
+        self.lora: LayerLoRA | None = None  # LoRA adapters' deltas (engine/lora/)
 
     def forward(
         self,
@@ -77,8 +70,9 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         metadata: object,
     ) -> torch.Tensor:
-        out = self.attend(self.qkv_proj(x), rotate, kv_cache, backend, metadata)
-        return self.o_proj(out)
+        qkv = _adapted(self.lora, "self_attn.qkv_proj", self.qkv_proj(x), x)
+        out = self.attend(qkv, rotate, kv_cache, backend, metadata)
+        return _adapted(self.lora, "self_attn.o_proj", self.o_proj(out), out)
 
     def forward_fm(
         self,
@@ -93,9 +87,10 @@ class Attention(nn.Module):
         qkv = ops.mm_fm(self.qkv_proj.weight, x)
         if self.qkv_proj.bias is not None:
             qkv += self.qkv_proj.bias[:, None]
+        _adapted(self.lora, "self_attn.qkv_proj", qkv, x, 1)
         # Attention works per token: one transpose of q/k/v, then the token-major path.
-        out = self.attend(ops.transposed(qkv), rotate, kv_cache, backend, metadata)
-        return ops.mm_fm(self.o_proj.weight, out.t())
+        out = self.attend(ops.transposed(qkv), rotate, kv_cache, backend, metadata).t()
+        return _adapted(self.lora, "self_attn.o_proj", ops.mm_fm(self.o_proj.weight, out), out, 1)
 
     def attend(
         self,
@@ -131,13 +126,18 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.lora: LayerLoRA | None = None  # LoRA adapters' deltas (engine/lora/)
 
     def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        act = ops.silu_mul(_adapted(self.lora, "mlp.gate_up_proj", self.gate_up_proj(x), x))
+        return _adapted(self.lora, "mlp.down_proj", self.down_proj(act), act)
 
     def forward_fm(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
-        act = ops.silu_mul_fm(ops.mm_fm(self.gate_up_proj.weight, x))
-        return ops.mm_fm(self.down_proj.weight, act)
+        gate_up = _adapted(
+            self.lora, "mlp.gate_up_proj", ops.mm_fm(self.gate_up_proj.weight, x), x, 1
+        )
+        act = ops.silu_mul_fm(gate_up)
+        return _adapted(self.lora, "mlp.down_proj", ops.mm_fm(self.down_proj.weight, act), act, 1)
 
 
 class DecoderLayer(nn.Module):

@@ -6,6 +6,8 @@ Step time = overhead + max(compute time, memory time) + tensor-parallel communic
             + 4 x layers x heads x head_dim x (context each token attends to)
   memory  = bytes / (HBM bandwidth x bw_efficiency x tp)
     bytes = weights once per step + KV read for every token's context + KV written
+LoRA adapters add their shrink and expand FLOPs for their rows' tokens and each adapter's
+weights read once per step.
 Quantized replicas (ModelSpec.quantized): FP8 or INT4 linear weights are fewer bytes to stream;
 FP8 GEMMs (weights and activations) run at the GPU's FP8 peak where it has one; an FP8 KV
 cache (CacheConfig.kv_cache_dtype) halves the KV bytes of a token, so the same memory holds
@@ -18,140 +20,21 @@ for this CPU; the GPU defaults are stated assumptions, documented in CostParams.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 from engine.core.clock import VirtualClock
 from engine.core.config import CacheConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
+# The specs' tables, also read from here.
+from engine.runner.gpu_specs import GPUS as GPUS
+from engine.runner.gpu_specs import GpuSpec
+from engine.runner.model_specs import MODELS as MODELS
+from engine.runner.model_specs import ModelSpec
+
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """Datasheet figures of one accelerator (dense, no sparsity)."""
-
-    name: str
-    peak_flops: float  # bf16 dense FLOP/s
-    mem_bw: float  # HBM bytes/s
-    mem_bytes: float
-    interconnect_bw: float = 0.0  # per-GPU NVLink bytes/s (for TP all-reduces)
-    fp8_flops: float = 0.0  # FP8 dense FLOP/s; 0: no FP8 tensor cores (weight-only FP8)
-
-
-# Sources: NVIDIA A100 datasheet (2021: 312 TFLOP/s bf16 dense; 1,555 GB/s for 40 GB,
-# 2,039 GB/s for 80 GB SXM; NVLink 600 GB/s), H100 SXM datasheet (989 TFLOP/s bf16 dense,
-# 3.35 TB/s, NVLink 900 GB/s, 1,979 TFLOP/s FP8 dense), H200 SXM datasheet (989 TFLOP/s,
-# 4.8 TB/s, 141 GB, 1,979 TFLOP/s FP8 dense). Ampere has no FP8 tensor cores.
-GPUS: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec("A100-40GB", 312e12, 1555e9, 40e9, 600e9),
-        GpuSpec("A100-80GB", 312e12, 2039e9, 80e9, 600e9),
-        GpuSpec("H100-80GB", 989e12, 3350e9, 80e9, 900e9, 1979e12),
-        GpuSpec("H200", 989e12, 4800e9, 141e9, 900e9, 1979e12),
-    )
-}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Shape of a decoder-only model; `tp` GPUs share it by tensor parallelism."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    dtype_bytes: int = 2
-    tp: int = 1
-    tied_embeddings: bool = False
-    linear_bytes: float | None = None  # bytes per decoder-layer weight; None: dtype_bytes
-    kv_dtype_bytes: int | None = None  # bytes per cached K or V value; None: dtype_bytes
-    fp8_gemms: bool = False  # linear layers run FP8 x FP8 GEMMs (FP8 weights, dynamic FP8 acts)
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv = (
-            self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
-        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
-
-    @property
-    def num_params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_layers * self.layer_params + embeddings
-
-    @property
-    def weight_bytes(self) -> float:
-        linear = self.dtype_bytes if self.linear_bytes is None else self.linear_bytes
-        embeddings = self.num_params - self.num_layers * self.layer_params
-        return self.num_layers * self.layer_params * linear + embeddings * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        value = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * value
-
-    def quantized(self, weights: str | None = None, kv_cache_dtype: str = "auto") -> ModelSpec:
-        """This model as a replica serves it with `weights` ("fp8": FP8 weights and GEMMs,
-        one float32 scale per output row; "int4": 4-bit weights with a float32 scale and a
-        zero point per group of 128, as engine/quant/linear.py holds them) and an FP8 KV
-        cache ("fp8_e4m3")."""
-        spec = self
-        if weights == "fp8":
-            spec = replace(spec, linear_bytes=1.0, fp8_gemms=True, name=f"{spec.name}+fp8")
-        elif weights == "int4":
-            spec = replace(spec, linear_bytes=0.5 + 5 / 128, name=f"{spec.name}+int4")
-        elif weights is not None:
-            raise ValueError(f"weights must be fp8, int4 or None, got {weights!r}")
-        if kv_cache_dtype == "fp8_e4m3":
-            spec = replace(spec, kv_dtype_bytes=1, name=f"{spec.name}+kv-fp8")
-        return spec
-
-    def with_tp(self, tp: int) -> ModelSpec:
-        return replace(self, name=f"{self.name.split('@')[0]}@tp{tp}", tp=tp)
-
-    @classmethod
-    def from_hf_config(cls, model_dir: str | Path, dtype_bytes: int = 4) -> ModelSpec:
-        """The spec of a local HF checkpoint (config.json only; no weights are read)."""
-        path = Path(model_dir)
-        cfg = json.loads((path / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        return cls(
-            name=path.name,
-            num_layers=cfg["num_hidden_layers"],
-            hidden_size=cfg["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            dtype_bytes=dtype_bytes,
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-
-
-# Shapes from each model's published config.json.
-MODELS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        ModelSpec("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000),
-        ModelSpec("Llama-2-13B", 40, 5120, 40, 40, 128, 13824, 32000),
-        ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256),
-        ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
-        ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -184,7 +67,11 @@ class StepCost:
     bytes: float
 
 
-def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: CostParams) -> StepCost:
+def step_cost(
+    out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: CostParams, lora_rank: int = 0
+) -> StepCost:
+    """`lora_rank`: the rank of the LoRA adapters of rows that run one (each adapting every
+    linear layer): their tokens' shrink and expand FLOPs, and each adapter's weights read."""
     tokens = out.num_batched_tokens
     if not out.scheduled:
         return StepCost(params.step_overhead_s, 0.0, 0.0)
@@ -194,19 +81,28 @@ def step_cost(out: SchedulerOutput, model: ModelSpec, gpu: GpuSpec, params: Cost
     sampled = 0
     attended = 0  # sum over scheduled tokens of the context each attends to
     context = 0  # sum over requests of their context, read once per request per step
+    lora_tokens = 0
+    lora_slots = set()
     # Integer sums (exact, and the cheapest Python loop: this runs per request per step).
     for s in out.scheduled:
         n, start = len(s.token_ids), s.num_computed_tokens
         attended += n * start + n * (n + 1) // 2
         context += start + n
         sampled += s.sample + s.num_drafts  # a row with drafts is sampled at each position
+        if s.lora_slot >= 0:
+            lora_tokens += n
+            lora_slots.add(s.lora_slot)
     kv_read = context * kv_tok
-    linear_flops = 2.0 * model.num_layers * model.layer_params * tokens
+    lora_params = model.num_layers * lora_rank * model.lora_params_per_rank
+    linear_flops = 2.0 * (
+        model.num_layers * model.layer_params * tokens + lora_params * lora_tokens
+    )
     other_flops = (
         2.0 * model.hidden_size * model.vocab_size * sampled + attn_flops_per_ctx * attended
     )
     flops = linear_flops + other_flops
     nbytes = model.weight_bytes + kv_read + tokens * kv_tok
+    nbytes += len(lora_slots) * lora_params * model.dtype_bytes
     tp = model.tp
     linear_peak = gpu.fp8_flops if model.fp8_gemms and gpu.fp8_flops else gpu.peak_flops
     compute = (linear_flops / linear_peak + other_flops / gpu.peak_flops) / (
@@ -253,12 +149,13 @@ class CostModelRunner:
         max_model_len: int | str = "auto",
         sampled_token_id: int = 1,
         spec_acceptance: float = 0.0,
+        lora_rank: int = 0,
     ) -> None:
         """The KV cache holds `cache.num_blocks`, else what `cache.gpu_memory_fraction` of the
         simulated GPUs' memory holds after the weights (a CPU byte budget does not apply).
         `max_model_len` auto: what the cache holds (a simulated model has no config.json).
         `spec_acceptance`: with speculative decoding, each draft counts with this probability
-        while the ones before it did (a seeded draw: runs repeat)."""
+        while the ones before it did (a seeded draw: runs repeat). `lora_rank`: see step_cost."""
         cache = cache or CacheConfig()
         model = model.quantized(kv_cache_dtype=cache.kv_cache_dtype)
         self.model, self.gpu, self.clock = model, gpu, clock
@@ -271,6 +168,7 @@ class CostModelRunner:
         self.sampled_token_id = sampled_token_id
         self.busy_seconds = 0.0
         self.spec_acceptance = spec_acceptance
+        self.lora_rank = lora_rank
         self._acceptance_draws = random.Random(0)
 
     def num_kv_blocks(self) -> int:
@@ -283,7 +181,7 @@ class CostModelRunner:
         return 0  # the simulator preempts by recompute
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        cost = step_cost(scheduler_output, self.model, self.gpu, self.params)
+        cost = step_cost(scheduler_output, self.model, self.gpu, self.params, self.lora_rank)
         self.clock.advance(cost.seconds)
         self.busy_seconds += cost.seconds
         token = self.sampled_token_id

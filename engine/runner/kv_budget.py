@@ -23,6 +23,22 @@ CPU_KV_CACHE_BYTES = 1 << 30
 _GIB = float(1 << 30)
 
 
+def num_cache_blocks(
+    runner: TorchModelRunner, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int
+) -> int:
+    """The KV blocks of `runner`'s rank: cache.num_blocks, else as many as its budget holds."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    budget = kv_cache_budget(runner, cache, scheduler, max_model_len)
+    num_blocks = budget // runner.bytes_per_block()
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_bytes: a budget of {budget} bytes holds no KV block "
+            f"({runner.bytes_per_block()} bytes each)"
+        )
+    return num_blocks
+
+
 def kv_cache_budget(
     runner: TorchModelRunner, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int
 ) -> int:

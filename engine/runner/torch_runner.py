@@ -10,7 +10,7 @@ from torch.distributed import Store
 
 from engine.attention.base import BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.config import EngineConfig
 from engine.core.outputs import (
     ModelRunnerOutput,
     PendingStep,
@@ -20,6 +20,7 @@ from engine.core.outputs import (
 )
 from engine.cpu.host_memory import keep_freed_memory_in_heap
 from engine.grammar_bank import GrammarBank
+from engine.lora.slot_weights import LoRASlotWeights
 from engine.model.collectives import TensorParallel
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
@@ -30,7 +31,7 @@ from engine.runner.continued_inputs import awaited_inputs, known_inputs, previou
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.engine_threads import set_engine_threads
 from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels
-from engine.runner.kv_budget import kv_cache_budget, warn_if_short
+from engine.runner.kv_budget import num_cache_blocks, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
 from engine.runner.launched_step import DeviceClock, LaunchedStep
@@ -104,8 +105,12 @@ class TorchModelRunner:
         )
         use_kernels(self.model, self.device)
         self.model.pack_weights()
+        self.lora = None  # LoRA adapters' device slots
+        if config.lora.enabled:
+            shard = self.tp.shard if self.tp else None
+            self.lora = LoRASlotWeights(self.model, spec, full_spec, config.lora, shard)
         self.block_size = config.cache.block_size
-        self._num_blocks = self._size_cache(config.cache, config.scheduler)
+        self._num_blocks = num_cache_blocks(self, config.cache, config.scheduler, max_len)
         if self.tp is not None:  # every rank holds each block's share of the heads
             self._num_blocks = self.tp.min(self._num_blocks)
         warn_if_short(self._num_blocks * self.block_size, max_len)
@@ -201,13 +206,15 @@ class TorchModelRunner:
             swap_blocks(self.kv_caches, self.host_caches, *swap)
         if scheduler_output.is_empty:
             return ReadyStep(ModelRunnerOutput({}))
-        # Decodes first: the attention backend batches them as one call.
-        scheduled = scheduler_output.scheduled
-        order = [r for r in scheduled if r.num_tokens == 1]
-        order += [r for r in scheduled if r.num_tokens != 1]
+        # Decodes first: the attention backend batches them as one call; then by LoRA slot, so
+        # that each adapter's tokens are one run of the batch.
+        order = sorted(scheduler_output.scheduled, key=lambda r: (r.num_tokens != 1, r.lora_slot))
         started = self.device_clock.start()
         known = self._known_inputs(order)
-        logits = self._replay(order, known) if self.graphs or self.spec_graphs else None
+        if self.lora is not None:  # decode graphs run no adapters (yet)
+            self.lora.begin_step(scheduler_output.lora_loads, order)
+        graphs = (self.graphs or self.spec_graphs) and not (self.lora and self.lora.active)
+        logits = self._replay(order, known) if graphs else None
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
             if known is not None:
@@ -281,18 +288,6 @@ class TorchModelRunner:
         s: DecoderSpec = self.spec
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
-
-    def _size_cache(self, cache: CacheConfig, scheduler: SchedulerConfig) -> int:
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        budget = kv_cache_budget(self, cache, scheduler, self._max_model_len)
-        num_blocks = budget // self.bytes_per_block()
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes: a budget of {budget} bytes holds no KV block "
-                f"({self.bytes_per_block()} bytes each)"
-            )
-        return num_blocks
 
     def prepare_inputs(
         self, order: list[ScheduledRequest]

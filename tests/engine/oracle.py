@@ -12,8 +12,13 @@ NEAR_TIE_TOLERANCE = 1e-4
 
 
 class HFOracle:
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, adapter: str | None = None) -> None:
+        """`adapter`: a PEFT LoRA adapter directory, merged into the model by PEFT."""
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter).merge_and_unload().eval()
         self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -24,9 +24,14 @@ def random_prompts(seed: int, n: int, max_len: int, vocab: int = 4096) -> list[l
 
 
 def run_mix(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], arrive_at: list[int]
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    arrive_at: list[int],
+    loras: list[str | None] | None = None,
 ) -> dict[int, list[int]]:
-    """Add prompt i at step arrive_at[i]; run until all finish; return tokens per prompt."""
+    """Add prompt i at step arrive_at[i] (with LoRA adapter loras[i]); run until all finish;
+    return tokens per prompt."""
     tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     step_no = 0
     pending = sorted(range(len(prompts)), key=lambda i: arrive_at[i])
@@ -34,7 +39,7 @@ def run_mix(
         while pending and arrive_at[pending[0]] <= step_no:
             i = pending.pop(0)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
-            engine.add_request(str(i), prompts[i], params)
+            engine.add_request(str(i), prompts[i], params, lora=loras[i] if loras else None)
         for out in engine.step():
             tokens[int(out.request_id)].extend(out.new_token_ids)
         engine.scheduler.check_integrity()
