@@ -70,7 +70,9 @@ class LLMEngine:
         )
         self.clock = clock or MonotonicClock()
         speculator = speculator_for(config, runner, tokenizer)
-        self.loras = LoRARegistry(config.lora, read_spec(config.model))  # served, by name
+        slot_weights = getattr(runner, "lora", None)  # the registry's reads fill its host cache
+        keep = slot_weights.keep if slot_weights is not None else None
+        self.loras = LoRARegistry(config.lora, read_spec(config.model), keep)  # served, by name
         slots = LoRASlots(config.lora.max_loras) if config.lora.enabled else None
         self.scheduler = Scheduler(sched_config, kv, self.clock, speculator, slots)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)

@@ -1,13 +1,14 @@
 """Many LoRA adapters in one batch against the base model alone, on the real engine.
 
     python -m loadtests.bench_lora [--model small] [--concurrency 64] [--rank 16]
-        [--adapters 1,4,16] [--prompt-len 64] [--max-tokens 64] [--repeat 3] [--json]
+        [--adapters 1,4,16] [--prompt-len 64] [--max-tokens 64] [--repeat 3]
+        [--targets q_proj,...] [--device cpu] [--dtype float32] [--json]
 
 `--concurrency` requests run together (added at once, prompt and decode), each with an
 adapter drawn uniformly or by Zipf's law (s = 1) over N random adapters of rank `--rank` on
-every linear layer (q, k, v, o, gate, up, down), one device slot each; the baseline is the
-same requests without adapters on the same engine, measured in the same run, runs
-interleaved (`--repeat` rounds; figures are medians). With --json the output ends with one
+`--targets` (default every linear layer: q, k, v, o, gate, up, down), one device slot each;
+the baseline is the same requests without adapters on the same engine, measured in the same
+run, runs interleaved (`--repeat` rounds; figures are medians). With --json the output ends with one
 JSON object holding `ratio_16_adapters` (16 adapters, uniform: tokens/s over the base's).
 """
 
@@ -30,14 +31,17 @@ from loadtests.workload import resolve_model
 ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def adapters_of(model: str, count: int, rank: int) -> dict[str, str]:
+def adapters_of(
+    model: str, count: int, rank: int, targets: tuple[str, ...] = ALL_LINEARS
+) -> dict[str, str]:
     """`count` random adapters of `model` (written once, under models/)."""
-    root = Path(model).parent / f"{Path(model).name}-lora-r{rank}"
+    kind = "all" if targets == ALL_LINEARS else "-".join(t.removesuffix("_proj") for t in targets)
+    root = Path(model).parent / f"{Path(model).name}-lora-r{rank}-{kind}"
     paths = {}
     for i in range(count):
         out = root / f"a{i}"
         if not (out / "adapter_config.json").is_file():
-            write_random_adapter(model, out, rank, ALL_LINEARS, seed=i, std=0.02)
+            write_random_adapter(model, out, rank, targets, seed=i, std=0.02)
         paths[f"a{i}"] = str(out)
     return paths
 
@@ -64,17 +68,24 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", default="1,4,16")
+    parser.add_argument(
+        "--targets", default=",".join(ALL_LINEARS), help="the linear layers adapters adapt"
+    )
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model = resolve_model(args.model)
     counts = [int(c) for c in args.adapters.split(",")]
-    adapters = adapters_of(model, max(counts), args.rank)
+    adapters = adapters_of(model, max(counts), args.rank, tuple(args.targets.split(",")))
     engine = LLMEngine(
         EngineConfig(
             model=model,
+            device=args.device,
+            dtype=args.dtype,
             cache=CacheConfig(block_size=16),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.concurrency,

@@ -204,6 +204,7 @@ class EngineServer:
             decision=asdict(self.decision),
             num_reports_ok=self.num_reports_ok,
             num_report_failures=self.num_report_failures,
+            loras=self._held_loras(),
             **self.outboxes.stats(),
         )
         return stats
@@ -267,13 +268,16 @@ class EngineServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Read by the ingress's request router (serve_app.router.LoadAwareRouter)."""
-        slots = self.engine.engine.scheduler.loras  # the LoRA adapters it holds
         return {
             "num_streams": self.engine.num_streams,
             "capacity": self.capacity,
             "routing_weight": self.decision.routing_weight,
-            "loras": slots.held_names() if slots is not None else [],
+            "loras": self._held_loras(),
         }
+
+    def _held_loras(self) -> list[str]:  # the LoRA adapters in this replica's slots
+        slots = self.engine.engine.scheduler.loras
+        return slots.held_names() if slots is not None else []
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Pushed to Serve's autoscaler; read by cluster.autoscale.QueueDepthAutoscaler."""

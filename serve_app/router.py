@@ -24,11 +24,15 @@ from __future__ import annotations
 import hashlib
 import random
 from array import array
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from ray.serve._private.common import RequestMetadata  # the type of a public hook's argument
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.control import weighted_load
+
+R = TypeVar("R")
 
 
 def prefix_key(token_ids: list[int], prefix_tokens: int) -> bytes:
@@ -83,12 +87,12 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         ranked = random.sample(candidate_replicas, len(candidate_replicas))
         ranked.sort(key=self.replica_load)
         lora = pending_request.kwargs.get("lora") if pending_request else None
-        if lora is not None and len(ranked) > 1:  # where its adapter is loaded, if not busier
-            holders = [r for r in ranked if lora[0] in (r.routing_stats or {}).get("loras", ())]
-            if holders and (
-                self.replica_load(holders[0]) - self.replica_load(ranked[0]) <= self.max_imbalance
-            ):
-                return [holders, [r for r in ranked if r not in holders]]
+        if lora is not None and len(ranked) > 1:
+            ranks = adapter_first(
+                ranked, _held_adapters, self.replica_load, lora[0], self.max_imbalance
+            )
+            if ranks is not None:
+                return ranks
         prompt = _prompt_of(pending_request)
         if self.prefix_affinity and prompt and len(ranked) > 1:
             by_id = {r.replica_id.unique_id: r for r in ranked}
@@ -99,6 +103,26 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
                 return [[preferred], [r for r in ranked if r is not preferred]]
         # One rank: Serve takes the lowest queue length among those that accept.
         return [ranked]
+
+
+def adapter_first(
+    ranked: list[R],
+    held: Callable[[R], Iterable[str]],
+    load: Callable[[R], float],
+    adapter: str,
+    max_imbalance: float,
+) -> list[list[R]] | None:
+    """The replicas holding `adapter` (least loaded first), then the rest; None where none
+    holds it or the least loaded holder is busier than the least loaded replica by over
+    `max_imbalance` (`ranked`: least loaded first)."""
+    holders = [r for r in ranked if adapter in held(r)]
+    if holders and load(holders[0]) - load(ranked[0]) <= max_imbalance:
+        return [holders, [r for r in ranked if r not in holders]]
+    return None
+
+
+def _held_adapters(replica: RunningReplica) -> list[str]:
+    return (replica.routing_stats or {}).get("loras", [])
 
 
 def _prompt_of(pending_request: PendingRequest | None) -> list[int] | None:

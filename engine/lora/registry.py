@@ -4,19 +4,26 @@ path when first asked for, and those loaded and unloaded at run time."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.core.errors import InvalidParam, UnknownModel
 from engine.core.lora_config import LoRAConfig
 from engine.core.lora_slots import LoRARequest
-from engine.lora.adapter import read_adapter
+from engine.lora.adapter import LoRAAdapter, read_adapter
 from engine.model.loader import DecoderSpec
 
 
 class LoRARegistry:
-    def __init__(self, config: LoRAConfig, spec: DecoderSpec) -> None:
-        """Check and register the configured adapters (InvalidParam names what is wrong)."""
-        self.config, self.spec = config, spec
+    def __init__(
+        self,
+        config: LoRAConfig,
+        spec: DecoderSpec,
+        on_read: Callable[[int, LoRAAdapter], None] | None = None,
+    ) -> None:
+        """Check and register the configured adapters (InvalidParam names what is wrong).
+        `on_read` gets each adapter read (the runner's host cache: no second read)."""
+        self.config, self.spec, self.on_read = config, spec, on_read
         self._adapters: dict[str, LoRARequest] = {}
         self._num_added = 0
         self._lock = threading.Lock()  # requests resolve names in threads of their own
@@ -35,11 +42,13 @@ class LoRARegistry:
             raise InvalidParam("lora_name", f"lora_name: {name!r} must be a name without : or /")
         if not Path(path).is_dir():
             raise InvalidParam("lora_path", f"lora_path: {path!r} is not a directory")
-        read_adapter(path, self.spec, self.config.max_lora_rank)
+        adapter = read_adapter(path, self.spec, self.config.max_lora_rank)
         with self._lock:
             self._num_added += 1
             lora = LoRARequest(name, self._num_added, str(path))
             self._adapters[name] = lora
+        if self.on_read is not None:
+            self.on_read(lora.lora_id, adapter)
         return lora
 
     def remove(self, name: str) -> None:

@@ -4,6 +4,7 @@ filled between steps from adapters cached on the host, and this step's rows by s
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 
 import torch
@@ -34,7 +35,9 @@ class LoRASlotWeights:
         self.rank = config.max_lora_rank
         self.slices = checkpoint_slices(full_spec, shard) if shard else {}
         weight = model.norm.weight
-        self.step = LoRAStep()
+        self.device = weight.device
+        self.step = LoRAStep(transpose=model.ops.transposed)
+        self.kernel = self.device.type == "cuda"  # the Triton kernels, else the torch path
         self.layers: list[dict[str, ModuleWeights]] = []
         slots, r = config.max_loras, self.rank
         for layer in model.layers:
@@ -44,7 +47,8 @@ class LoRASlotWeights:
                 a = weight.new_zeros(slots, cols, len(parts) * r)
                 rows = list(itertools.accumulate(sizes, initial=0))[:-1]
                 bs = [
-                    (row, weight.new_zeros(slots, r, n)) for row, n in zip(rows, sizes, strict=True)
+                    (part, row, weight.new_zeros(slots, r, n))
+                    for part, row, n in zip(parts, rows, sizes, strict=True)
                 ]
                 tensors[module] = (a, bs)
             self.layers.append(tensors)
@@ -53,7 +57,9 @@ class LoRASlotWeights:
             layer.self_attn.lora = LayerLoRA(self.step, attn)
             layer.mlp.lora = LayerLoRA(self.step, mlp)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_id -> adapter, LRU
+        self._host_lock = threading.Lock()
         self.slot_ids = [-1] * slots  # the lora_id each slot holds
+        self.slot_parts: list[set[str]] = [set() for _ in range(slots)]  # what each adapts
 
     @property
     def active(self) -> bool:
@@ -66,25 +72,32 @@ class LoRASlotWeights:
         adapter's tokens come in runs)."""
         for load in loads:
             self.load(load.slot, load.lora_id, self.host_adapter(load.lora_id, load.path))
-        self.step.update(order, self.layers[0]["mlp.down_proj"][0].device)
+        self.step.update(order, self.device, self.kernel, self.slot_parts)
 
     def host_adapter(self, lora_id: int, path: str) -> LoRAAdapter:
         """The adapter, from the host cache or read from `path` (checked at registration)."""
-        adapter = self._host.pop(lora_id, None)
+        with self._host_lock:
+            adapter = self._host.get(lora_id)
         if adapter is None:
             adapter = read_adapter(path, self.full_spec, self.rank)
-        self._host[lora_id] = adapter
-        while len(self._host) > self.config.max_cpu_loras:
-            self._host.popitem(last=False)
+        self.keep(lora_id, adapter)
         return adapter
+
+    def keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Cache an adapter on the host (most recently used; the least recently used beyond
+        max_cpu_loras go). Called from the threads that register adapters too."""
+        with self._host_lock:
+            self._host[lora_id] = adapter
+            self._host.move_to_end(lora_id)
+            while len(self._host) > self.config.max_cpu_loras:
+                self._host.popitem(last=False)
 
     def load(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
         r = self.rank
         for i, tensors in enumerate(self.layers):
-            for module, (parts, _) in LINEARS.items():
-                a, bs = tensors[module]
+            for a, bs in tensors.values():
                 a[slot].zero_()
-                for p, (part, (_, b)) in enumerate(zip(parts, bs, strict=True)):
+                for p, (part, _, b) in enumerate(bs):
                     b[slot].zero_()
                     pair = adapter.weights.get((i, part))
                     if pair is not None:
@@ -93,6 +106,7 @@ class LoRASlotWeights:
                         a[slot, :, p * r : p * r + rank].copy_(part_a.t())
                         b[slot, :rank].copy_(part_b.t())
         self.slot_ids[slot] = lora_id
+        self.slot_parts[slot] = {part for _, part in adapter.weights}
 
     def _shard(
         self, pair: tuple[torch.Tensor, torch.Tensor], name: str

@@ -5,8 +5,9 @@ part (the attention backend by `torch`, a quantized GEMM by dequantize-then-GEMM
 kernel by the sorted draw, decode graphs by eager steps), the reason is logged, and the
 replica serves on. Parts already on their reference are not checked.
 
-Parts: `attention`, `fp8_gemm`, `fp8_block_gemm`, `int4_gemm`, `token_draw` (checked before
-decode graphs are captured, so graphs capture what passed), then `decode_graph`.
+Parts: `attention`, `fp8_gemm`, `fp8_block_gemm`, `int4_gemm`, `token_draw`, `lora` (LoRA's
+segmented kernels; checked before decode graphs are captured, so graphs capture what passed),
+then `decode_graph`.
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def check_kernels(runner: TorchModelRunner) -> list[PartCheck]:
             sampler.draw_rows = token_draw.draw_by_sort
 
         results.append(_check("token_draw", partial(_draw, runner), draw_fallback, exact=True))
+    lora = runner.lora
+    if lora is not None and lora.kernel:
+
+        def lora_fallback() -> None:
+            lora.kernel = False
+
+        results.append(_check("lora", partial(_lora, runner), lora_fallback))
     return results
 
 
@@ -192,6 +200,35 @@ def _gemm(layer: QuantizedLinear, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     device = layer.bias.device if layer.bias is not None else next(layer.buffers()).device
     x = torch.randn(7, layer.in_features, generator=gen).to(device=device, dtype=dtype)
     return layer.kernel(layer, x), reference_kernel(layer, x)
+
+
+def _lora(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two adapters of random weights in the first layer's q/k/v shape over two segments
+    (one spanning tiles): the Triton kernels, then the torch path."""
+    from engine.lora.layer_lora import LayerLoRA
+    from engine.lora.segments import LoRAStep, plan
+    from engine.lora.triton_kernels import KernelSegments
+
+    slot_a, slot_parts = runner.lora.layers[0]["self_attn.qkv_proj"]
+    device, dtype = slot_a.device, slot_a.dtype
+    gen = torch.Generator(device="cpu").manual_seed(3)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.1).to(device=device, dtype=dtype)
+
+    parts = [(name, row, randn(2, *b.shape[1:])) for name, row, b in slot_parts]
+    weights = {"m": (randn(2, *slot_a.shape[1:]), parts)}
+    segments = [(0, 0, 5), (1, 5, 24)]
+    x = randn(24, slot_a.shape[1])
+    got = randn(24, sum(b.shape[2] for _, _, b in slot_parts))
+    want = got.clone()
+    names = {name for name, _, _ in parts}
+    kernel_step = LoRAStep(True, kernel=KernelSegments(segments, device), parts=names)
+    torch_step = plan(segments, device)
+    torch_step.parts = names
+    LayerLoRA(kernel_step, weights).add("m", got, x)
+    LayerLoRA(torch_step, weights).add("m", want, x)
+    return got, want
 
 
 def _draw(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:

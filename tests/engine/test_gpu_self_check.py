@@ -1,6 +1,7 @@
 """The GPU self-check on the CPU, with broken kernels injected: each broken part (attention
-backend, quantized GEMM, draw kernel, decode graph) falls back to its reference, says why, is
-exported as dynabatch:gpu_self_check_info, and the replica goes on serving token-exact."""
+backend, quantized GEMM, draw kernel, LoRA kernels, decode graph) falls back to its
+reference, says why, is exported as dynabatch:gpu_self_check_info, and the replica goes on
+serving token-exact."""
 
 from __future__ import annotations
 
@@ -86,6 +87,21 @@ def test_a_wrong_draw_kernel_falls_back_to_the_sorted_draw(tiny_model):
     (check,) = check_kernels(engine.runner)
     assert (check.part, check.result) == ("token_draw", "fallback")
     assert sampler.draw_rows is token_draw.draw_by_sort
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_lora_kernels_are_checked_and_a_wrong_one_falls_back(tiny_model, monkeypatch, broken):
+    from engine.lora import triton_kernels
+    from tests.lora_adapters import lora_adapters
+
+    engine = build_engine(tiny_model, lora={"adapters": lora_adapters(tiny_model)})
+    lora = engine.runner.lora
+    lora.kernel = True  # as on CUDA
+    if broken:  # an expand that adds nothing
+        monkeypatch.setattr(triton_kernels, "lora_expand", lambda *args: None)
+    (check,) = check_kernels(engine.runner)
+    assert (check.part, check.result) == ("lora", "fallback" if broken else "pass")
+    assert lora.kernel is not broken
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from engine.core.sampling_params import SamplingParams
+from engine.lora import segments
 from engine.model.tiny_model import make_model
 from tests.conftest import REPO, build_engine
 from tests.engine.oracle import HFOracle
@@ -29,12 +30,13 @@ def oracles(tiny_model, adapters) -> dict[str | None, HFOracle]:
     return {None: HFOracle(tiny_model), **found}
 
 
-def lora_engine(model: str, scenario: str, adapters: dict[str, str], **lora):
+def lora_engine(model: str, scenario: str, adapters: dict[str, str], device: str = "cpu", **lora):
     block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
     return build_engine(
         model,
         block_size,
         num_blocks,
+        device=device,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         batching=batching,
@@ -58,16 +60,19 @@ def check_mix(oracles, prompts, max_tokens, loras, tokens) -> None:
     [
         ("roomy", 4, "feature-major"),  # the CPU decoder's path for steps of few tokens
         ("roomy", 4, "token-major"),  # large steps, and other devices
-        ("roomy", 3, "per-slot"),  # one matmul pair per slot (not grouped), as on CUDA
+        ("roomy", 3, "one-by-one"),  # no segments batched
         ("chunked+preemption", 2, "feature-major"),
         ("preemption", 1, "feature-major"),  # more adapters than slots: requests wait or evict
     ],
 )
-def test_mixed_batches_match_peft_merged(tiny_model, adapters, oracles, scenario, max_loras, path):
+def test_mixed_batches_match_peft_merged(
+    tiny_model, adapters, oracles, monkeypatch, scenario, max_loras, path
+):
     engine = lora_engine(tiny_model, scenario, adapters, max_loras=max_loras)
     if path == "token-major":
         engine.runner.model.feature_major_max_tokens = 0
-    engine.runner.lora.grouped = path != "per-slot"
+    if path == "one-by-one":
+        monkeypatch.setattr(segments, "MIN_BATCHED", 10**9)
     rng = random.Random(max_loras)
     n = 12
     prompts = random_prompts(max_loras, n, max_len=50)

@@ -92,7 +92,9 @@ def test_adapters_added_found_and_removed_while_requests_run(tiny_model, adapter
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
 
     step()
-    engine.loras.add("chat", adapters["chat"])  # at run time, between steps
+    copy = shutil.copytree(adapters["chat"], tmp_path / "chat")
+    engine.loras.add("chat", str(copy))  # at run time, between steps
+    shutil.rmtree(copy)  # read once, at registration: the slot loads from host memory
     engine.add_request("chat-1", prompt, params, lora="chat")
     engine.add_request("found-1", prompt, params, lora="found")  # from the search path
     step()

@@ -16,8 +16,8 @@ def weights(gen: torch.Generator):
     a = torch.randn(SLOTS, IN, len(PARTS) * RANK, generator=gen)
     rows = [0, PARTS[0], PARTS[0] + PARTS[1]]
     bs = [
-        (row, torch.randn(SLOTS, RANK, n, generator=gen))
-        for row, n in zip(rows, PARTS, strict=True)
+        (f"part{p}", row, torch.randn(SLOTS, RANK, n, generator=gen))
+        for p, (row, n) in enumerate(zip(rows, PARTS, strict=True))
     ]
     return a, bs
 
@@ -29,7 +29,7 @@ def reference(a, bs, x, slot_of_token):
         if slot < 0:
             continue
         shrunk = x[t] @ a[slot]
-        for p, (row, b) in enumerate(bs):
+        for p, (_, row, b) in enumerate(bs):
             out[t, row : row + b.shape[2]] = shrunk[p * RANK : (p + 1) * RANK] @ b[slot]
     return out
 
@@ -54,6 +54,7 @@ def test_segments_give_each_tokens_own_delta(lengths, batched, dim):
             segments.append((slot, start, start + n))
         start += n
     step = plan(sorted(segments), torch.device("cpu"))
+    step.parts = {name for name, _, _ in bs}
     assert (step.batched is not None) == batched
     x = torch.randn(len(slot_of_token), IN, generator=gen)
     base = torch.randn(len(slot_of_token), sum(PARTS), generator=gen)
@@ -61,3 +62,20 @@ def test_segments_give_each_tokens_own_delta(lengths, batched, dim):
     LayerLoRA(step, {"m": (a, bs)}).add("m", out, x if dim == 0 else x.t().contiguous(), dim)
     got = out if dim == 0 else out.t()
     torch.testing.assert_close(got, base + reference(a, bs, x, slot_of_token), rtol=1e-4, atol=1e-4)
+
+
+def test_parts_no_adapter_of_the_step_adapts_are_skipped():
+    gen = torch.Generator().manual_seed(3)
+    a, bs = weights(gen)
+    segments = [(0, 0, 3), (1, 3, 5), (2, 5, 9)]
+    step = plan(segments, torch.device("cpu"))
+    step.parts = {"part0", "part2"}  # part1's weights are skipped as if zeros
+    x = torch.randn(9, IN, generator=gen)
+    out = torch.zeros(9, sum(PARTS))
+    LayerLoRA(step, {"m": (a, bs)}).add("m", out, x)
+    want = reference(a, bs, x, [0] * 3 + [1] * 2 + [2] * 4)
+    want[:, PARTS[0] : PARTS[0] + PARTS[1]] = 0
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    step.parts = set()
+    LayerLoRA(step, {"m": (a, bs)}).add("m", out := torch.zeros(9, sum(PARTS)), x)
+    assert not out.any()

@@ -8,6 +8,8 @@
 #                                       # and prefill of bf16, FP8 and AWQ 8B-shaped checkpoints
 #   bash tests/gpu/on_device.sh spec    # speculative decoding: speedup against acceptance,
 #                                       # small model and 8B-shaped checkpoint
+#   bash tests/gpu/on_device.sh lora    # LoRA adapters: CUDA tests, tokens/s over 1, 4 and 16
+#                                       # adapters against the base, small model
 # That machine's image holds torch, triton, transformers and pytest: the checkout runs from
 # PYTHONPATH, nothing is installed. Each step's log (JSON last) goes to $OUT/<step>.log and its
 # tail to the output; a failing step does not stop the next.
@@ -83,5 +85,10 @@ case ${1:-} in
         step spec-8b 400 "$PY" -m loadtests.bench_spec --model "$checkpoint" --device "$DEVICE" \
             --dtype "$DTYPE" --max-tokens 128 --kv-cache-gb 16 --json
         ;;
-    *) echo "usage: $0 tests|small|8b|quant|spec" >&2 && exit 2 ;;
+    lora)
+        step lora-tests 200 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_lora.py
+        step lora-small 400 "$PY" -m loadtests.bench_lora --model small --device "$DEVICE" \
+            --dtype "$DTYPE" --repeat 2 --json
+        ;;
+    *) echo "usage: $0 tests|small|8b|quant|spec|lora" >&2 && exit 2 ;;
 esac

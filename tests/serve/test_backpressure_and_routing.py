@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.router import prefix_key, rendezvous_choice
+from serve_app.router import adapter_first, prefix_key, rendezvous_choice
 from tests.local_serve import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)
@@ -130,3 +130,16 @@ def test_rendezvous_choice_is_stable_and_spreads():
     assert all(f == p for f, p in zip(fewer, picks, strict=True) if p != "c3")
     # Only the first prefix_tokens tokens matter.
     assert prefix_key([1, 2, 3, 4], 2) == prefix_key([1, 2, 9], 2)
+
+
+def test_a_lora_request_goes_where_its_adapter_is_loaded_unless_that_is_busier():
+    held = {"a": ["sql"], "b": [], "c": ["sql", "chat"]}
+    load = {"a": 3, "b": 0, "c": 1}
+    ranked = sorted(held, key=load.get)  # b, c, a
+
+    def ranks(adapter: str, imbalance: int):
+        return adapter_first(ranked, held.get, load.get, adapter, imbalance)
+
+    assert ranks("sql", 2) == [["c", "a"], ["b"]]
+    assert ranks("sql", 0) is None  # the least loaded holder is busier than b: load first
+    assert ranks("code", 2) is None  # held nowhere: load-aware, the replica loads it

@@ -11,11 +11,13 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core.lora_config import LoRAConfig
 from serve_app.config import AppArgs, EngineArgs
 from tests.conftest import REPO
 from tests.local_serve import deploy_yaml_args
 
 ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
+BLOCKS = {"speculative": SpeculativeConfig, "lora": LoRAConfig}  # engine: blocks of their own
 
 
 def engine_knobs() -> dict[str, dataclasses.Field]:
@@ -23,20 +25,26 @@ def engine_knobs() -> dict[str, dataclasses.Field]:
         f.name: f
         for record in ENGINE_RECORDS
         for f in dataclasses.fields(record)
-        if f.name not in ("model", "cache", "scheduler", "speculative")
+        if f.name not in ("model", "cache", "scheduler", *BLOCKS)
     }
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def test_engine_args_carry_each_core_knob_with_its_default_and_description():
     knobs = engine_knobs()
-    assert set(EngineArgs.model_fields) == set(knobs) | {"speculative"}
-    block = EngineArgs.model_fields["speculative"].annotation
-    spec_knobs = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
-    assert set(block.model_fields) == set(spec_knobs)
-    fields = [(EngineArgs, knobs, n) for n in knobs] + [(block, spec_knobs, n) for n in spec_knobs]
+    assert set(EngineArgs.model_fields) == set(knobs) | set(BLOCKS)
+    fields = [(EngineArgs, knobs, n) for n in knobs]
+    for name, record in BLOCKS.items():
+        block = EngineArgs.model_fields[name].annotation
+        block_knobs = {f.name: f for f in dataclasses.fields(record)}
+        assert set(block.model_fields) == set(block_knobs)
+        fields += [(block, block_knobs, n) for n in block_knobs]
     for model, record_fields, name in fields:
         info = model.model_fields[name]
-        assert info.default == record_fields[name].default, name
+        assert info.get_default(call_default_factory=True) == _default(record_fields[name]), name
         assert info.description == record_fields[name].metadata["doc"], name
 
 

@@ -135,3 +135,17 @@ def test_metrics_show_each_replicas_adapters(serve_cluster, client):
             return
         time.sleep(0.5)
     raise AssertionError(f"no lora_requests_info in /metrics: {lines}")
+
+
+def test_requests_for_an_adapter_go_where_it_is_loaded(serve_cluster, client, tmp_path):
+    path = shutil.copytree(lora_adapters(serve_cluster.model)["chat"], tmp_path / "probe")
+    body = {"lora_name": "probe", "lora_path": str(path)}
+    assert (
+        httpx.post(f"{serve_cluster.base_url}/v1/load_lora_adapter", json=body).status_code == 200
+    )
+    complete(client, "probe", PROMPTS[0])
+    time.sleep(2.5)  # the replicas report what they hold every second
+    for prompt in PROMPTS:
+        complete(client, "probe", prompt)
+    holders = [s for s in serve_cluster.replica_stats("llm", 2).values() if "probe" in s["loras"]]
+    assert len(holders) == 1
