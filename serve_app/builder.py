@@ -44,6 +44,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     actor_options: dict[str, Any] = {
         "num_cpus": engine_res.num_cpus,
         "num_gpus": engine_res.num_gpus,
+        "resources": dict(engine_res.resources),
     }
     scaling: dict[str, Any] = {"num_replicas": engine_res.num_replicas}
     if app_args.autoscaling is not None:
@@ -79,6 +80,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         ray_actor_options={
             "num_cpus": ingress_res.num_cpus,
             "num_gpus": ingress_res.num_gpus,
+            "resources": dict(ingress_res.resources),
             # The ingress's code on the replica's own loop: under direct ingress its sends
             # then wait for the client (in Serve's thread they go to an unbounded queue), so
             # a client that stops reading shows (api.max_unsent_tokens); and one thread hop

@@ -156,6 +156,12 @@ class ReplicaArgs(_Strict):
         description="GPUs per replica (0 on CPU machines; engines: tensor_parallel_size, all on "
         "one node).",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources per replica: replicas go only to nodes that offer "
+        "them (`ray start --resources='{\"engine_node\": 1}'`), so a cluster's layout is "
+        "deploy.yaml's to choose.",
+    )
 
 
 class AppArgs(_Strict):

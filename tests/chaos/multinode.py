@@ -1,0 +1,112 @@
+"""A 3-node Ray cluster on this machine (ray.cluster_utils: a head and two workers, each its
+own raylet), our app deployed on it as deploy.yaml would place it (the ingress and Serve's
+proxy on the head, one engine replica per worker through a custom resource), and one
+worker node removed while 16 greedy requests run.
+
+Run in a process of its own (`python -m tests.chaos.multinode`): a process joins one Ray
+cluster, and the test session's own local Ray is another. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import psutil
+
+HEAD = {"head": 1}
+WORKER = {"engine_node": 1}
+# What a user's deploy.yaml says for this layout (docs/cluster.md, "Multi-node").
+LAYOUT = {
+    "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5, "resources": {"engine_node": 0.5}},
+    "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25, "resources": {"head": 0.01}},
+}
+
+
+def _node_of(pid: int, workers: list) -> int | None:
+    """Which worker node's raylet started process `pid` (None: the head's, or a node gone)."""
+    ancestors = {p.pid for p in psutil.Process(pid).parents()}
+    for i, node in enumerate(workers):
+        raylets = node.all_processes.get("raylet", [])
+        if raylets and raylets[0].process.pid in ancestors:
+            return i
+    return None
+
+
+def _replicas(handle, count: int, timeout: float) -> dict[str, dict]:
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < count and time.monotonic() < deadline:
+        try:
+            stats = handle.stats.remote().result(timeout_s=10)
+        except Exception:  # a replica on the dead node, or one still starting
+            time.sleep(0.5)
+            continue
+        seen[stats["replica_id"]] = stats
+    return seen
+
+
+def main() -> dict:
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from serve_app import build_app
+    from serve_app.local_cluster import free_port
+    from tests.chaos.conftest import chaos_args, run_all
+    from tests.conftest import tiny_model_dir
+
+    store = 128 << 20
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": HEAD, "object_store_memory": store},
+    )
+    workers = [
+        cluster.add_node(num_cpus=2, resources=WORKER, object_store_memory=store) for _ in range(2)
+    ]
+    result: dict = {}
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(chaos_args(tiny_model_dir(), **LAYOUT)), name="mn", route_prefix="/mn")
+        base = f"http://127.0.0.1:{port}/mn"
+        handle = serve.get_deployment_handle("EngineServer", app_name="mn")
+        before = _replicas(handle, 2, 60)
+        placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
+        result["placement"] = placement
+        victim = workers[int(placement[0])] if placement[0] != "None" else workers[0]
+        result["victim"] = workers.index(victim)
+        kill = asyncio.Event()
+
+        async def run_with_node_removed() -> list[str]:
+            task = asyncio.create_task(run_all(f"{base}/v1", kill))
+            await kill.wait()
+            cluster.remove_node(victim, allow_graceful=False)
+            return await task
+
+        started = time.monotonic()
+        texts = asyncio.run(run_with_node_removed())
+        result["seconds_after_kill"] = round(time.monotonic() - started, 1)
+        result["completed"] = len(texts)
+        result["equal"] = texts == asyncio.run(run_all(f"{base}/v1"))
+        after = _replicas(handle, 2, 90)  # Serve replaces the lost replica on the survivor
+        result["replicas_after"] = len(after)
+        survivor = workers.index(next(w for w in workers if w is not victim))
+        result["on_survivor"] = sum(_node_of(s["pid"], workers) == survivor for s in after.values())
+        result["blocks_free"] = all(s["num_used_blocks"] == 0 for s in after.values())
+        result["metrics_status"] = httpx.get(f"{base}/metrics", timeout=10).status_code
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
