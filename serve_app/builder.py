@@ -25,19 +25,21 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     """The OpenAI ingress bound to its engine replicas, built from validated AppArgs."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     plain = app_args.model_dump()
+    # The control plane's actors: no CPU of their own, on the nodes deploy.yaml says.
+    control = {"num_cpus": 0, "resources": dict(app_args.controller.resources)}
     controller = None
     if app_args.controller.enabled:
-        controller = ClusterController.options(ray_actor_options={"num_cpus": 0}).bind(
+        controller = ClusterController.options(ray_actor_options=control).bind(
             app_args.batching.factory(app_args.engine.max_num_seqs),
             app_args.controller.stale_after_s,
         )
     # Engine metrics for /metrics go through their own board, not the controller.
-    board = EngineMetricsBoard.options(ray_actor_options={"num_cpus": 0}).bind(
+    board = EngineMetricsBoard.options(ray_actor_options=control).bind(
         app_args.model_name, app_args.controller.stale_after_s
     )
     lora_board = None
     if app_args.engine.lora.enabled:  # the adapters served, for every ingress replica
-        lora_board = LoRABoard.options(ray_actor_options={"num_cpus": 0}).bind(
+        lora_board = LoRABoard.options(ray_actor_options=control).bind(
             dict(app_args.engine.lora.adapters)
         )
     engine_res = app_args.engine_replicas

@@ -81,6 +81,11 @@ class ControllerArgs(_Strict):
         gt=0.0,
         description="A replica silent this long drops out of the cluster view and /metrics.",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources of the controller and the app's boards (engine "
+        "metrics, LoRA adapters): the nodes they may run on.",
+    )
 
 
 class AutoscalingArgs(_Strict):

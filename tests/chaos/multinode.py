@@ -1,10 +1,13 @@
 """A 3-node Ray cluster on this machine (ray.cluster_utils: a head and two workers, each its
 own raylet), our app deployed on it as deploy.yaml would place it (the ingress and Serve's
-proxy on the head, one engine replica per worker through a custom resource), and one
-worker node removed while 16 greedy requests run.
+proxy on the head, one engine replica per worker and the control plane on the workers
+through custom resources), and one worker node removed while 16 greedy requests run: the
+node of an engine replica (`engine`), or the node of the cluster controller (`control`,
+which also holds an engine replica, and maybe the metrics board).
 
-Run in a process of its own (`python -m tests.chaos.multinode`): a process joins one Ray
-cluster, and the test session's own local Ray is another. Prints one JSON object.
+Run in a process of its own (`python -m tests.chaos.multinode engine|control`): a process
+joins one Ray cluster, and the test session's own local Ray is another. Prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -12,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 
 import httpx
 import psutil
 
 HEAD = {"head": 1}
-WORKER = {"engine_node": 1}
+WORKER = {"engine_node": 1, "control": 1}
 # What a user's deploy.yaml says for this layout (docs/cluster.md, "Multi-node").
 LAYOUT = {
     "engine_replicas": {"num_replicas": 2, "num_cpus": 0.5, "resources": {"engine_node": 0.5}},
     "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25, "resources": {"head": 0.01}},
 }
+CONTROL = {"controller": {"resources": {"control": 0.01}}}
 
 
 def _node_of(pid: int, workers: list) -> int | None:
@@ -33,6 +38,28 @@ def _node_of(pid: int, workers: list) -> int | None:
         raylets = node.all_processes.get("raylet", [])
         if raylets and raylets[0].process.pid in ancestors:
             return i
+    return None
+
+
+def _pid_of(deployment: str) -> int:
+    """The process of a Serve replica of `deployment` (its process title names it)."""
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(deployment in part for part in proc.info["cmdline"] or []):
+            return proc.info["pid"]
+    raise LookupError(deployment)
+
+
+def _until_ok(url: str, text: str, timeout: float) -> float | None:
+    """Seconds until `url` answers 200 with `text` in its body, or None."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            resp = httpx.get(url, timeout=5)
+            if resp.status_code == 200 and text in resp.text:
+                return round(time.monotonic() - start, 1)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
     return None
 
 
@@ -49,7 +76,7 @@ def _replicas(handle, count: int, timeout: float) -> dict[str, dict]:
     return seen
 
 
-def main() -> dict:
+def main(scenario: str) -> dict:
     os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
     import ray
@@ -74,13 +101,17 @@ def main() -> dict:
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(chaos_args(tiny_model_dir(), **LAYOUT)), name="mn", route_prefix="/mn")
+        layout = LAYOUT | (CONTROL if scenario == "control" else {})
+        serve.run(build_app(chaos_args(tiny_model_dir(), **layout)), name="mn", route_prefix="/mn")
         base = f"http://127.0.0.1:{port}/mn"
         handle = serve.get_deployment_handle("EngineServer", app_name="mn")
         before = _replicas(handle, 2, 60)
         placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
         result["placement"] = placement
-        victim = workers[int(placement[0])] if placement[0] != "None" else workers[0]
+        if scenario == "control":
+            victim = workers[_node_of(_pid_of("ClusterController"), workers)]
+        else:
+            victim = workers[int(placement[0])]
         result["victim"] = workers.index(victim)
         kill = asyncio.Event()
 
@@ -100,7 +131,10 @@ def main() -> dict:
         survivor = workers.index(next(w for w in workers if w is not victim))
         result["on_survivor"] = sum(_node_of(s["pid"], workers) == survivor for s in after.values())
         result["blocks_free"] = all(s["num_used_blocks"] == 0 for s in after.values())
-        result["metrics_status"] = httpx.get(f"{base}/metrics", timeout=10).status_code
+        # Engine metrics come back once the board (restarted elsewhere if it was there) hears
+        # from the replicas; the cluster view once the controller is back.
+        result["metrics_after_s"] = _until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)
+        result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -109,4 +143,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "engine")))
