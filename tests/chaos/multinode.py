@@ -41,11 +41,14 @@ def _node_of(pid: int, workers: list) -> int | None:
     return None
 
 
-def _pid_of(deployment: str) -> int:
-    """The process of a Serve replica of `deployment` (its process title names it)."""
+def _worker_running(deployment: str, workers: list) -> int:
+    """The worker node running a Serve replica of `deployment` (its process title names it;
+    other Ray clusters on this machine, such as the test session's, run their own)."""
     for proc in psutil.process_iter(["pid", "cmdline"]):
         if any(deployment in part for part in proc.info["cmdline"] or []):
-            return proc.info["pid"]
+            node = _node_of(proc.info["pid"], workers)
+            if node is not None:
+                return node
     raise LookupError(deployment)
 
 
@@ -109,7 +112,7 @@ def main(scenario: str) -> dict:
         placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
         result["placement"] = placement
         if scenario == "control":
-            victim = workers[_node_of(_pid_of("ClusterController"), workers)]
+            victim = workers[_worker_running("ClusterController", workers)]
         else:
             victim = workers[int(placement[0])]
         result["victim"] = workers.index(victim)
