@@ -22,6 +22,17 @@ def weights(gen: torch.Generator):
     return a, bs
 
 
+def layout(lengths: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(slot, tokens) runs (slot -1: no adapter) -> each token's slot, and the segments."""
+    slot_of_token = [slot for slot, n in lengths for _ in range(n)]
+    segments, start = [], 0
+    for slot, n in lengths:
+        if slot >= 0:
+            segments.append((slot, start, start + n))
+        start += n
+    return slot_of_token, segments
+
+
 def reference(a, bs, x, slot_of_token):
     """Token-major [T, out] deltas, token by token."""
     out = torch.zeros(len(slot_of_token), sum(PARTS))
@@ -47,12 +58,7 @@ def reference(a, bs, x, slot_of_token):
 def test_segments_give_each_tokens_own_delta(lengths, batched, dim):
     gen = torch.Generator().manual_seed(len(lengths) + dim)
     a, bs = weights(gen)
-    slot_of_token = [slot for slot, n in lengths for _ in range(n)]
-    segments, start = [], 0
-    for slot, n in lengths:
-        if slot >= 0:
-            segments.append((slot, start, start + n))
-        start += n
+    slot_of_token, segments = layout(lengths)
     step = plan(sorted(segments), torch.device("cpu"))
     step.parts = {name for name, _, _ in bs}
     assert (step.batched is not None) == batched

@@ -18,7 +18,7 @@ from engine.lora.segments import LoRAStep  # noqa: E402
 from engine.lora.triton_kernels import KernelSegments  # noqa: E402
 from tests.engine.oracle import HFOracle  # noqa: E402
 from tests.engine.test_lora import CYCLE, check_mix, lora_engine  # noqa: E402
-from tests.engine.test_lora_segments import IN, PARTS, reference, weights  # noqa: E402
+from tests.engine.test_lora_segments import IN, PARTS, layout, reference, weights  # noqa: E402
 from tests.engine.test_oracle import random_prompts, run_mix  # noqa: E402
 from tests.lora_adapters import lora_adapters  # noqa: E402
 
@@ -28,12 +28,7 @@ def test_kernels_give_each_tokens_own_delta(dim):
     gen = torch.Generator().manual_seed(7 + dim)
     a, bs = weights(gen)
     lengths = [(2, 3), (-1, 2), (0, 21), (5, 1), (3, 17)]  # tiles of 16 tokens, and runs past
-    slot_of_token = [slot for slot, n in lengths for _ in range(n)]
-    segments, start = [], 0
-    for slot, n in lengths:
-        if slot >= 0:
-            segments.append((slot, start, start + n))
-        start += n
+    slot_of_token, segments = layout(lengths)
     kernel = KernelSegments(segments, torch.device("cpu"))
     step = LoRAStep(True, kernel=kernel, parts={name for name, _, _ in bs})
     x = torch.randn(len(slot_of_token), IN, generator=gen)
