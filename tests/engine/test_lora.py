@@ -13,7 +13,7 @@ from engine.lora import segments
 from engine.model.tiny_model import make_model
 from tests.conftest import REPO, build_engine
 from tests.engine.oracle import HFOracle
-from tests.engine.test_oracle import SCENARIOS, random_prompts, run_mix
+from tests.engine.test_oracle import random_prompts, run_mix, scenario_engine
 from tests.lora_adapters import lora_adapters
 
 CYCLE = ["sql", None, "chat", "code"]
@@ -31,17 +31,7 @@ def oracles(tiny_model, adapters) -> dict[str | None, HFOracle]:
 
 
 def lora_engine(model: str, scenario: str, adapters: dict[str, str], device: str = "cpu", **lora):
-    block_size, num_blocks, budget, max_seqs, batching = SCENARIOS[scenario]
-    return build_engine(
-        model,
-        block_size,
-        num_blocks,
-        device=device,
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        batching=batching,
-        lora={"adapters": adapters, **lora},
-    )
+    return scenario_engine(model, scenario, device=device, lora={"adapters": adapters, **lora})
 
 
 def check_mix(oracles, prompts, max_tokens, loras, tokens) -> None:
