@@ -42,13 +42,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         lora_board = LoRABoard.options(ray_actor_options=control).bind(
             dict(app_args.engine.lora.adapters)
         )
-    engine_res = app_args.engine_replicas
-    actor_options: dict[str, Any] = {
-        "num_cpus": engine_res.num_cpus,
-        "num_gpus": engine_res.num_gpus,
-        "resources": dict(engine_res.resources),
-    }
-    scaling: dict[str, Any] = {"num_replicas": engine_res.num_replicas}
+    actor_options, placement = _engine_placement(app_args)
+    scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
     if app_args.autoscaling is not None:
         scaling = {
             "num_replicas": "auto",
@@ -69,6 +64,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         health_check_timeout_s=app_args.health.check_timeout_s,
         graceful_shutdown_timeout_s=app_args.health.graceful_shutdown_timeout_s,
         ray_actor_options=actor_options,
+        **placement,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_app.router:LoadAwareRouter",
             request_router_kwargs=app_args.routing.model_dump(),
@@ -90,6 +86,25 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
         },
     ).bind(engine, plain, controller, board, lora_board)
+
+
+def _engine_placement(app_args: AppArgs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine replica's actor options and, with tensor parallelism, its placement group:
+    a bundle per rank, each a 1/N share of the replica's resources (one GPU each), packed on
+    one node (STRICT_PACK), as Ray Serve LLM places vLLM's workers. The replica (rank 0)
+    takes bundle 0 and starts each other rank in its own (engine/runner/rank_bundles.py)."""
+    res, ranks = app_args.engine_replicas, app_args.engine.tensor_parallel_size
+    share = {
+        "num_cpus": res.num_cpus / ranks,
+        "num_gpus": res.num_gpus / ranks,
+        "resources": {name: amount / ranks for name, amount in res.resources.items()},
+    }
+    if ranks == 1:
+        return share, {}
+    bundle = {"CPU": share["num_cpus"], "GPU": share["num_gpus"]} | share["resources"]
+    bundle = {name: amount for name, amount in bundle.items() if amount} or {"CPU": 0.01}
+    bundles = [dict(bundle) for _ in range(ranks)]
+    return share, {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
 
 
 def _autoscaling_config(scaling: AutoscalingArgs) -> dict[str, Any]:

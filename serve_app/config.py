@@ -158,8 +158,9 @@ class ReplicaArgs(_Strict):
     num_gpus: float = Field(
         0.0,
         ge=0.0,
-        description="GPUs per replica (0 on CPU machines; engines: tensor_parallel_size, all on "
-        "one node).",
+        description="GPUs per replica (0 on CPU machines; engines: tensor_parallel_size, one "
+        "per rank, each rank's share of the replica's resources a bundle of its placement "
+        "group, all on one node).",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,

@@ -22,6 +22,12 @@ from typing import Any
 import torch.distributed as dist
 
 from engine.model.sharding import Shard
+from engine.runner.rank_bundles import (
+    HostedRank,
+    connect_to_rank0,
+    current_bundles,
+    start_in_bundle,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +41,30 @@ class RankWorkers:
     def __init__(self, config: Any, world_size: int) -> None:
         # Port 0: the store listens where the system lets it; workers learn the port.
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.processes: list[subprocess.Popen] = []
+        path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.processes: list[subprocess.Popen | HostedRank] = []
         self._connections: list[Connection] = []
-        for rank in range(1, world_size):
-            ours, theirs = socket.socketpair()
-            command = [sys.executable, "-m", __name__, str(theirs.fileno()), str(rank)]
-            process = subprocess.Popen(command, env=env, pass_fds=[theirs.fileno()])
-            theirs.close()
-            connection = Connection(ours.detach())
-            connection.send((config, Shard(rank, world_size), self.store.port))
-            self.processes.append(process)
-            self._connections.append(connection)
+        # In a Serve replica placed as a bundle per rank, each rank runs in its own bundle.
+        bundles = current_bundles(world_size)
+        try:
+            for rank in range(1, world_size):
+                # The leader's pid in the command line: `ps` tells which replica a rank serves.
+                command = [sys.executable, "-m", __name__, str(rank), f"leader={os.getpid()}"]
+                if bundles is not None:
+                    connection, process = start_in_bundle(bundles, rank, command, path)
+                else:
+                    ours, theirs = socket.socketpair()
+                    command.append(f"fd:{theirs.fileno()}")
+                    env = os.environ | path
+                    process = subprocess.Popen(command, env=env, pass_fds=[theirs.fileno()])
+                    theirs.close()
+                    connection = Connection(ours.detach())
+                self.processes.append(process)
+                self._connections.append(connection)
+                connection.send((config, Shard(rank, world_size), self.store.port))
+        except BaseException:
+            self.close(kill=True)
+            raise
 
     def send(self, step: Any) -> None:
         """Every worker gets the step (None: stop). Raises RuntimeError naming a dead rank."""
@@ -127,6 +145,10 @@ def run_rank(connection: Connection) -> None:
 
 
 if __name__ == "__main__":
-    fd, rank = int(sys.argv[1]), sys.argv[2]
+    # python -m engine.runner.tensor_parallel RANK leader=PID fd:N (inherited) | HOST:PORT
+    rank, where = sys.argv[1], sys.argv[3]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(message)s")
-    run_rank(Connection(fd))
+    if where.startswith("fd:"):
+        run_rank(Connection(int(where.removeprefix("fd:"))))
+    else:
+        run_rank(connect_to_rank0(where))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,7 @@ from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.packed_inputs import packed_inputs
+from engine.runner.rank_bundles import DEVICE_INDEX_ENV
 from engine.runner.tensor_parallel import RankedStep, RankWorkers
 from engine.sampling.logprobs import PromptLogprobs
 from engine.sampling.sampler import Sampler
@@ -61,7 +63,10 @@ class TorchModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         if world > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", shard.rank if shard else 0)
+            # All ranks' GPUs visible (ranks as the replica's subprocesses): rank r's is r;
+            # a rank in a placement-group bundle sees its bundle's one GPU.
+            index = os.environ.get(DEVICE_INDEX_ENV, shard.rank if shard else 0)
+            self.device = torch.device("cuda", int(index))
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.dtype)
         self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.dtype)

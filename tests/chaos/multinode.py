@@ -3,7 +3,9 @@ own raylet), our app deployed on it as deploy.yaml would place it (the ingress a
 proxy on the head, one engine replica per worker and the control plane on the workers
 through custom resources), and one worker node removed while 16 greedy requests run: the
 node of an engine replica (`engine`), or the node of the cluster controller (`control`,
-which also holds an engine replica, and maybe the metrics board).
+which also holds an engine replica, and maybe the metrics board), or the node of an engine
+replica of two tensor-parallel ranks, each in a bundle of the replica's placement group
+(`tp`).
 
 Run in a process of its own (`python -m tests.chaos.multinode engine|control`): a process
 joins one Ray cluster, and the test session's own local Ray is another. Prints one JSON
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -29,6 +32,8 @@ LAYOUT = {
     "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25, "resources": {"head": 0.01}},
 }
 CONTROL = {"controller": {"resources": {"control": 0.01}}}
+# Two tensor-parallel ranks per engine replica: a placement group of two bundles, STRICT_PACK.
+TP = {"engine": {"tensor_parallel_size": 2}}
 
 
 def _node_of(pid: int, workers: list) -> int | None:
@@ -50,6 +55,18 @@ def _worker_running(deployment: str, workers: list) -> int:
             if node is not None:
                 return node
     raise LookupError(deployment)
+
+
+def _ranks_with_leader(stats: dict[str, dict], workers: list) -> list[bool]:
+    """For each tensor-parallel rank process of these replicas: whether it runs on its
+    leader's node (none without tensor parallelism)."""
+    same = []
+    for s in stats.values():
+        pattern = f"engine.runner.tensor_parallel [0-9]+ leader={s['pid']} "
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        leader = _node_of(s["pid"], workers)
+        same += [_node_of(int(pid), workers) == leader for pid in found.stdout.split()]
+    return same
 
 
 def _until_ok(url: str, text: str, timeout: float) -> float | None:
@@ -104,13 +121,14 @@ def main(scenario: str) -> dict:
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        layout = LAYOUT | (CONTROL if scenario == "control" else {})
+        layout = LAYOUT | {"control": CONTROL, "tp": TP}.get(scenario, {})
         serve.run(build_app(chaos_args(tiny_model_dir(), **layout)), name="mn", route_prefix="/mn")
         base = f"http://127.0.0.1:{port}/mn"
         handle = serve.get_deployment_handle("EngineServer", app_name="mn")
         before = _replicas(handle, 2, 60)
         placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
         result["placement"] = placement
+        result["ranks_with_leader"] = _ranks_with_leader(before, workers)
         if scenario == "control":
             victim = workers[_worker_running("ClusterController", workers)]
         else:
@@ -134,6 +152,7 @@ def main(scenario: str) -> dict:
         survivor = workers.index(next(w for w in workers if w is not victim))
         result["on_survivor"] = sum(_node_of(s["pid"], workers) == survivor for s in after.values())
         result["blocks_free"] = all(s["num_used_blocks"] == 0 for s in after.values())
+        result["ranks_with_leader_after"] = _ranks_with_leader(after, workers)
         # Engine metrics come back once the board (restarted elsewhere if it was there) hears
         # from the replicas; the cluster view once the controller is back.
         result["metrics_after_s"] = _until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)

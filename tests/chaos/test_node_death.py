@@ -18,7 +18,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.timeout(420)
 
 
-@pytest.mark.parametrize("scenario", ["engine", "control"])
+@pytest.mark.parametrize("scenario", ["engine", "control", "tp"])
 def test_a_dead_node_loses_no_accepted_request(scenario):
     run = subprocess.run(
         [sys.executable, "-m", "tests.chaos.multinode", scenario],
@@ -33,4 +33,8 @@ def test_a_dead_node_loses_no_accepted_request(scenario):
     assert result["completed"] == 16 and result["equal"], result
     assert result["replicas_after"] == 2 and result["on_survivor"] == 2, result
     assert result["blocks_free"], result
+    # Tensor-parallel replicas: each rank in its replica's placement group, on its node.
+    ranks = 2 if scenario == "tp" else 0
+    assert result["ranks_with_leader"] == [True] * ranks, result
+    assert result["ranks_with_leader_after"] == [True] * ranks, result
     assert result["metrics_after_s"] is not None and result["cluster_after_s"] is not None, result

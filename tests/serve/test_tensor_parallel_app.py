@@ -9,7 +9,9 @@ import time
 from collections.abc import Iterator
 
 import openai
+import psutil
 import pytest
+import ray
 
 from tests.local_serve import ServeCluster, app_args
 
@@ -41,11 +43,10 @@ def _greedy(base_url: str, prompt: str) -> str:
 
 
 def _ranks(replica_pid: int) -> list[int]:
-    found = subprocess.run(
-        ["pgrep", "-P", str(replica_pid), "-f", "engine.runner.tensor_parallel"],
-        capture_output=True,
-        text=True,
-    )
+    """The rank processes serving the replica (each in its own bundle, started by a RankHost
+    actor: not the replica's children)."""
+    pattern = f"engine.runner.tensor_parallel [0-9]+ leader={replica_pid} "
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
 
 
@@ -62,7 +63,16 @@ def test_two_ranks_answer_the_openai_client_as_one_rank(serve_cluster, tp_app):
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     stats = serve_cluster.engine_handle(APP).stats.remote().result()
-    assert len(_ranks(stats["pid"])) == 1
+    (rank,) = _ranks(stats["pid"])
+    # Rank 1 runs in the second bundle of the replica's placement group, started there by a
+    # RankHost actor; the group packs both bundles on one node.
+    assert psutil.Process(rank).parent().cmdline()[0].startswith("ray::RankHost")
+    groups = [
+        g
+        for g in ray.util.placement_group_table().values()
+        if g["state"] == "CREATED" and g["strategy"] == "STRICT_PACK"
+    ]
+    assert [list(g["bundles"].values()) for g in groups] == [[{"CPU": 0.25}, {"CPU": 0.25}]]
 
 
 def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(serve_cluster, tp_app):
