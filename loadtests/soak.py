@@ -179,14 +179,14 @@ def write(out: Path, result: dict[str, Any], memory: MemorySeries) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     for role, points in series.items():
         ax.plot([t / 60 for t, _ in points], [mb for _, mb in points], label=role)
     for kill in result["kills"]:
         ax.axvline(kill["t"] / 60, color="grey", linestyle=":", linewidth=0.8)
     ax.set(xlabel="minutes", ylabel="RSS (MB, summed over a role's processes)")
     ax.set_title("soak: resident memory by process role (dotted: replica killed)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out / "rss.png", dpi=110)
     plt.close(fig)

@@ -24,6 +24,8 @@ _END_SAMPLES = 3
 # At most this many stack captures per run, at least this far apart.
 MAX_CAPTURES = 5
 CAPTURE_GAP_S = 30.0
+# What a Ray worker process is called before it hosts an actor.
+_UNSETTLED = {"IDLE", "default_worker", "gone"}
 
 
 def role_of(proc: psutil.Process) -> str:
@@ -36,7 +38,8 @@ def role_of(proc: psutil.Process) -> str:
     head = cmdline[0] if cmdline else proc.name()
     if head.startswith("ray::"):
         title = head.removeprefix("ray::").split()[0].split(".")[0]  # less a running method
-        return title.rsplit(":", 1)[-1] if title.startswith("ServeReplica:") else title
+        # ServeReplica:APP:DEPLOYMENT, or at start SERVE_REPLICA::APP#...:ServeReplica:APP:...
+        return title.rsplit(":", 1)[-1] if "ServeReplica:" in title else title
     name = Path(head).name
     if not name.startswith("python"):
         return name
@@ -71,8 +74,10 @@ class MemorySeries:
                 rss = proc.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            if proc.pid not in self.roles:
-                self.roles[proc.pid] = role_of(proc)
+            role = role_of(proc)
+            # A worker is IDLE (or a bare default_worker) until it becomes an actor.
+            if role not in _UNSETTLED or proc.pid not in self.roles:
+                self.roles[proc.pid] = role
             self.samples.setdefault(proc.pid, []).append((now, rss))
 
     def by_role(self) -> dict[str, list[tuple[float, float]]]:

@@ -138,7 +138,11 @@ def main(scenario: str) -> dict:
 
         async def run_with_node_removed() -> list[str]:
             task = asyncio.create_task(run_all(f"{base}/v1", kill))
-            await kill.wait()
+            # A request that fails before the kill ends the run (its error shows).
+            waiter = asyncio.create_task(kill.wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
             cluster.remove_node(victim, allow_graceful=False)
             return await task
 

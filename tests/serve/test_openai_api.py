@@ -10,7 +10,11 @@ import openai
 import pytest
 
 from engine.core.sampling_params import SamplingParams
+from loadtests.soak_watch import StackCapture
 from serve_app.config import AppArgs
+
+# The 64 streams take seconds; past this they hang (the watchdog then takes every stack).
+STREAMS_DEADLINE_S = 120.0
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -199,20 +203,27 @@ def test_priority_is_accepted(client, reference_engine):
     assert body.choices[0].text == plain.choices[0].text
 
 
-def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engine):
+def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engine, tmp_path):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(64)]
     expected = _greedy(reference_engine, prompts, 16)
+    chunks: dict[int, int] = {}  # stream -> chunks so far (a stream that hangs shows where)
 
-    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+    async def one(client: openai.AsyncOpenAI, i: int) -> str:
         stream = await client.completions.create(
             model="tiny",
-            prompt=prompt,
+            prompt=prompts[i],
             max_tokens=16,
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
         )
-        return "".join([c.choices[0].text async for c in stream if c.choices])
+        chunks[i] = 0
+        text = []
+        async for c in stream:
+            chunks[i] += 1
+            text += [c.choices[0].text] if c.choices else []
+        del chunks[i]
+        return "".join(text)
 
     async def run_all() -> list[str]:
         async with openai.AsyncOpenAI(
@@ -221,7 +232,13 @@ def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engin
             max_retries=0,
             http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=128)),
         ) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
+            streams = asyncio.gather(*(one(client, i) for i in range(64)))
+            try:
+                return await asyncio.wait_for(streams, STREAMS_DEADLINE_S)
+            except TimeoutError:
+                # Once hung in a suite run: keep what every process was doing, and say it.
+                folder = StackCapture(tmp_path / "stacks").capture("64 streams hung")
+                pytest.fail(f"streams still open (chunks so far): {chunks}; stacks in {folder}")
 
     before = serve_cluster.replica_stats("llm", 2)
     assert asyncio.run(run_all()) == expected

@@ -1,0 +1,168 @@
+"""A worker node cut off from the network (not killed) while 16 greedy requests run.
+
+The head (ingress, Serve's proxy) and worker A are raylets of this process
+(ray.cluster_utils) at 10.231.N.1; worker B is `ray start --block` inside a network namespace
+of its own at 10.231.N.2, joined to the root namespace by a veth pair. One engine replica runs
+on each worker; once every stream has its first tokens, B's link goes down (its processes
+live on, unreachable). Serve's health checks find B's replica unresponsive and it is stopped;
+the requests it held resume at A's replica (Ray's own node health checks, left at their
+defaults, declare B dead later). Needs root (ip netns).
+
+Run as `python -m tests.chaos.netns_node`; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.chaos.multinode import LAYOUT, WORKER, _replicas, _until_ok
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    subprocess.run([*prefix, "ip", *args], check=True)
+
+
+def make_netns(tag: int) -> tuple[str, str, str, str]:
+    """A namespace with one veth end (named after this process: `tag`, its pid), after
+    removing those of runs that ended without cleaning up (killed at a timeout); returns
+    (netns, host-side link, host IP, netns IP)."""
+    remove_stale()
+    netns, host_link, ns_link = f"dbns{tag}", f"dbh{tag}", f"dbn{tag}"
+    subnet = f"10.231.{tag % 250}"
+    _ip("netns", "add", netns)
+    _ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
+    _ip("link", "set", ns_link, "netns", netns)
+    _ip("addr", "add", f"{subnet}.1/30", "dev", host_link)
+    _ip("link", "set", host_link, "up")
+    _ip("addr", "add", f"{subnet}.2/30", "dev", ns_link, netns=netns)
+    _ip("link", "set", ns_link, "up", netns=netns)
+    _ip("link", "set", "lo", "up", netns=netns)
+    return netns, host_link, f"{subnet}.1", f"{subnet}.2"
+
+
+def remove_netns(netns: str, host_link: str) -> None:
+    """The namespace, its processes (a node cut off has nothing to drain) and its link."""
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "link", "del", host_link], capture_output=True)
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def remove_stale() -> None:
+    import psutil
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        tag = name.removeprefix("dbns")
+        if name.startswith("dbns") and tag.isdigit() and not psutil.pid_exists(int(tag)):
+            remove_netns(name, f"dbh{tag}")
+
+
+def _pids_under(root: int) -> set[int]:
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process(root).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _stage(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
+def main() -> dict:
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from serve_app import build_app
+    from serve_app.local_cluster import free_port
+    from tests.chaos.conftest import chaos_args, run_all
+    from tests.conftest import tiny_model_dir
+
+    netns, host_link, host_ip, ns_ip = make_netns(os.getpid())
+    result: dict = {}
+    store = 128 << 20
+    cluster = node_b = None
+    try:
+        head = {"num_cpus": 2, "resources": {"head": 1}, "object_store_memory": store}
+        cluster = Cluster(initialize_head=True, head_node_args=head | {"node_ip_address": host_ip})
+        cluster.add_node(
+            num_cpus=2, resources=WORKER, object_store_memory=store, node_ip_address=host_ip
+        )
+        start = [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "start"]
+        start += ["--address", cluster.address, "--node-ip-address", ns_ip, "--num-cpus", "2"]
+        start += ["--resources", json.dumps(WORKER), "--object-store-memory", str(store)]
+        start += ["--block", "--disable-usage-stats"]
+        node_b = subprocess.Popen(
+            ["ip", "netns", "exec", netns, *start], start_new_session=True, cwd="/"
+        )
+        ray.init(address=cluster.address, log_to_driver=False)
+        deadline = time.monotonic() + 90
+        while sum(n["Alive"] for n in ray.nodes()) < 3:
+            assert time.monotonic() < deadline, "the namespaced node never joined"
+            time.sleep(0.5)
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(chaos_args(tiny_model_dir(), **LAYOUT)), name="ns", route_prefix="/ns")
+        base = f"http://127.0.0.1:{port}/ns"
+        handle = serve.get_deployment_handle("EngineServer", app_name="ns")
+        _stage("app ready")
+        before = _replicas(handle, 2, 60)
+        on_b = [s["pid"] in _pids_under(node_b.pid) for s in before.values()]
+        result["one_replica_per_worker"] = sorted(on_b) == [False, True]
+        cut = asyncio.Event()
+        cut_at: list[float] = []
+
+        async def run_with_link_cut() -> list[str]:
+            task = asyncio.create_task(run_all(f"{base}/v1", cut))
+            # A request that fails before the cut ends the run (its error shows).
+            waiter = asyncio.create_task(cut.wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            _ip("link", "set", host_link, "down")
+            cut_at.append(time.monotonic())
+            _stage("link cut")
+            return await task
+
+        texts = asyncio.run(run_with_link_cut())
+        result["seconds_after_cut"] = round(time.monotonic() - cut_at[0], 1)
+        _stage("requests done")
+        result["completed"] = len(texts)
+        result["node_b_dead"] = not any(
+            n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == ns_ip
+        )
+        result["equal"] = texts == asyncio.run(run_all(f"{base}/v1"))
+        after = _replicas(handle, 2, 90)
+        result["replicas_after"] = len(after)
+        result["blocks_free"] = all(s["num_used_blocks"] == 0 for s in after.values())
+        result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            remove_netns(netns, host_link)  # node B's processes too
+            if node_b is not None:
+                node_b.wait()
+            if cluster is not None:
+                cluster.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
