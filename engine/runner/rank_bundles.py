@@ -94,7 +94,9 @@ class HostedRank:
             ray.get(self.host.stop.remote(True), timeout=10)
 
 
-def start_in_bundle(group: Any, rank: int, command: list[str], env: dict[str, str]):
+def start_in_bundle(
+    group: Any, rank: int, command: list[str], env: dict[str, str]
+) -> tuple[Connection, HostedRank]:
     """Rank `rank`'s process in bundle `rank` of `group`, connected to this process:
     returns (its connection, a HostedRank). `command` is the worker's, without its socket;
     the process learns where to connect from its last argument."""
