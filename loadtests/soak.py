@@ -45,6 +45,7 @@ OVERRIDES: dict[str, Any] = {
     "request_timeout_s": 60,
     "autoscaling": None,  # a fixed replica count, so that each kill leaves one serving
 }
+REPLICAS = OVERRIDES["engine_replicas"]["num_replicas"]
 
 
 def app_args(model: str) -> dict[str, Any]:
@@ -55,34 +56,36 @@ def app_args(model: str) -> dict[str, Any]:
     return args | OVERRIDES | {"model": model, "served_model_name": "soak"}
 
 
-async def engine_stats(handle, timeout: float = 60.0) -> dict[str, dict]:
-    """Stats of every live engine replica, each asked by its id (the router sends a plain
-    call to the least loaded replica, so polling could miss a busy one); {} when they do not
-    all answer within `timeout` (one is dying or starting)."""
+def engine_stats(
+    handle, app: str = APP, count: int | None = None, timeout: float = 60.0
+) -> dict[str, dict]:
+    """Stats of every live engine replica of `app`, each asked by its id (the router sends a
+    plain call to the least loaded replica, so polling could miss a busy one); {} unless all
+    of them (and `count` of them, when given) answer within `timeout`."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{APP}#EngineServer#"
+    prefix = f"SERVE_REPLICA::{app}#EngineServer#"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        names = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        names = ray.util.list_named_actors(all_namespaces=True)  # the live ones
         ids = [n["name"][len(prefix) :] for n in names if n["name"].startswith(prefix)]
         seen = {}
         for rid in ids:
             try:
-                stats = await asyncio.wait_for(handle.stats.remote(replica_id=rid), 5)
+                stats = handle.stats.remote(replica_id=rid).result(timeout_s=5)
             except Exception:  # dying, or not yet serving
                 continue
             if stats["replica_id"] == rid:
                 seen[rid] = stats
-        if len(seen) == OVERRIDES["engine_replicas"]["num_replicas"] == len(ids):
+        if ids and len(seen) == len(ids) and count in (None, len(ids)):
             return seen
-        await asyncio.sleep(0.5)
+        time.sleep(0.5)
     return {}
 
 
 async def kill_one(handle, kills: list[dict], start: float) -> None:
     """SIGKILL the longest-lived engine replica."""
-    stats = await engine_stats(handle)
+    stats = await asyncio.to_thread(engine_stats, handle, APP, REPLICAS)
     if not stats:
         kills.append({"t": round(time.monotonic() - start), "error": "no replica answered"})
         return
@@ -95,7 +98,7 @@ async def blocks_free(handle, timeout: float = 90.0) -> tuple[bool, dict[str, di
     """Whether every engine replica ends with no KV block used and no stream open."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = await engine_stats(handle, timeout)
+        stats = await asyncio.to_thread(engine_stats, handle, APP, REPLICAS, timeout)
         free = bool(stats) and all(
             s["num_used_blocks"] == 0 and s["num_streams"] == 0 for s in stats.values()
         )

@@ -87,12 +87,6 @@ class HostedRank:
         with contextlib.suppress(Exception):  # gone already
             ray.get(self.host.stop.remote(timeout == 0), timeout=30)
 
-    def kill(self) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):  # gone already
-            ray.get(self.host.stop.remote(True), timeout=10)
-
 
 def start_in_bundle(
     group: Any, rank: int, command: list[str], env: dict[str, str]

@@ -4,8 +4,10 @@ the session's local Serve, so the replicas it kills and stops serve nobody else'
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
+import json
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -74,25 +76,29 @@ async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]
 
 
 def engine_replica_stats(serve_cluster: ServeCluster, timeout: float = 60.0) -> dict[str, dict]:
-    """Stats of every live engine replica of the chaos app, each asked by its id (Serve's
-    router sends a call to the least loaded replica, so polling could miss a busy one)."""
-    import ray
+    """Stats of every live engine replica of the chaos app, each asked by its id."""
+    from loadtests.soak import engine_stats
 
-    handle = serve_cluster.engine_handle(APP)
-    deadline = time.monotonic() + timeout
-    while True:
-        names = ray.util.list_named_actors(all_namespaces=True)  # the live ones
-        prefix = f"SERVE_REPLICA::{APP}#EngineServer#"
-        ids = [n["name"][len(prefix) :] for n in names if n["name"].startswith(prefix)]
-        seen = {}
-        for rid in ids:
-            try:
-                stats = handle.stats.remote(replica_id=rid).result(timeout_s=5)
-            except Exception:  # dying, or not yet serving
-                continue
-            if stats["replica_id"] == rid:
-                seen[rid] = stats
-        if ids and len(seen) == len(ids):
-            return seen
-        assert time.monotonic() < deadline, (ids, list(seen))
-        time.sleep(0.5)
+    seen = engine_stats(serve_cluster.engine_handle(APP), APP, timeout=timeout)
+    assert seen, f"the {APP} app's engine replicas did not all answer within {timeout:g} s"
+    return seen
+
+
+async def run_with_fault(base_url: str, fault: Callable[[], None]) -> list[str]:
+    """run_all, with `fault` done once every stream has its first tokens. A request that
+    fails before that ends the run (its error shows) rather than leave it waiting."""
+    started = asyncio.Event()
+    task = asyncio.create_task(run_all(base_url, started))
+    waiter = asyncio.create_task(started.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        fault()
+    return await task
+
+
+def run_json(command: list[str], cwd: Path, timeout: float) -> dict[str, Any]:
+    """Run a harness that prints one JSON object last (a Ray cluster of its own in its own
+    process); its result, once it exited 0."""
+    run = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -105,7 +105,7 @@ def main(scenario: str) -> dict:
 
     from serve_app import build_app
     from serve_app.local_cluster import free_port
-    from tests.chaos.conftest import chaos_args, run_all
+    from tests.chaos.conftest import chaos_args, run_all, run_with_fault
     from tests.conftest import tiny_model_dir
 
     store = 128 << 20
@@ -134,20 +134,9 @@ def main(scenario: str) -> dict:
         else:
             victim = workers[int(placement[0])]
         result["victim"] = workers.index(victim)
-        kill = asyncio.Event()
-
-        async def run_with_node_removed() -> list[str]:
-            task = asyncio.create_task(run_all(f"{base}/v1", kill))
-            # A request that fails before the kill ends the run (its error shows).
-            waiter = asyncio.create_task(kill.wait())
-            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
-            cluster.remove_node(victim, allow_graceful=False)
-            return await task
-
         started = time.monotonic()
-        texts = asyncio.run(run_with_node_removed())
+        remove = lambda: cluster.remove_node(victim, allow_graceful=False)  # noqa: E731
+        texts = asyncio.run(run_with_fault(f"{base}/v1", remove))
         result["seconds_after_kill"] = round(time.monotonic() - started, 1)
         result["completed"] = len(texts)
         result["equal"] = texts == asyncio.run(run_all(f"{base}/v1"))

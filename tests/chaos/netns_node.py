@@ -90,7 +90,7 @@ def main() -> dict:
 
     from serve_app import build_app
     from serve_app.local_cluster import free_port
-    from tests.chaos.conftest import chaos_args, run_all
+    from tests.chaos.conftest import chaos_args, run_all, run_with_fault
     from tests.conftest import tiny_model_dir
 
     netns, host_link, host_ip, ns_ip = make_netns(os.getpid())
@@ -124,22 +124,14 @@ def main() -> dict:
         before = _replicas(handle, 2, 60)
         on_b = [s["pid"] in _pids_under(node_b.pid) for s in before.values()]
         result["one_replica_per_worker"] = sorted(on_b) == [False, True]
-        cut = asyncio.Event()
         cut_at: list[float] = []
 
-        async def run_with_link_cut() -> list[str]:
-            task = asyncio.create_task(run_all(f"{base}/v1", cut))
-            # A request that fails before the cut ends the run (its error shows).
-            waiter = asyncio.create_task(cut.wait())
-            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
+        def cut() -> None:
             _ip("link", "set", host_link, "down")
             cut_at.append(time.monotonic())
             _stage("link cut")
-            return await task
 
-        texts = asyncio.run(run_with_link_cut())
+        texts = asyncio.run(run_with_fault(f"{base}/v1", cut))
         result["seconds_after_cut"] = round(time.monotonic() - cut_at[0], 1)
         _stage("requests done")
         result["completed"] = len(texts)

@@ -5,12 +5,11 @@ Python cannot import it otherwise."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.chaos.conftest import run_json
 from tests.conftest import REPO, tiny_model_dir
 
 pytestmark = pytest.mark.timeout(600)
@@ -19,15 +18,8 @@ pytestmark = pytest.mark.timeout(600)
 def test_a_node_without_our_package_serves_the_app_through_runtime_env(tmp_path):
     script = REPO / "tests" / "chaos" / "bare_node.py"
     # Run from outside the repository: a driver's sys.path would otherwise reach the workers.
-    run = subprocess.run(
-        [sys.executable, str(script), tiny_model_dir(), str(tmp_path)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    command = [sys.executable, str(script), tiny_model_dir(), str(tmp_path)]
+    result = run_json(command, tmp_path, 580)
     # The node's Python, and a Ray worker there, cannot import the app by themselves.
     assert not result["bare_imports_ours"] and not result["bare_worker_imports_ours"], result
     assert result["serve_run_rc"] == 0 and result["answered"] and result["tokens"] == 8, result

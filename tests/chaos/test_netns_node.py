@@ -5,14 +5,13 @@ the other worker, and every KV block ends free."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
+from tests.chaos.conftest import run_json
 from tests.conftest import REPO
 
 pytestmark = [
@@ -24,15 +23,7 @@ pytestmark = [
 
 
 def test_a_node_cut_off_from_the_network_loses_no_request():
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.chaos.netns_node"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_json([sys.executable, "-m", "tests.chaos.netns_node"], REPO, 580)
     assert result["one_replica_per_worker"], result
     assert result["completed"] == 16 and result["equal"], result
     assert result["replicas_after"] == 2 and result["blocks_free"], result

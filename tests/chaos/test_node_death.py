@@ -8,12 +8,11 @@ ends free, and /metrics and /v1/cluster answer again."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.chaos.conftest import run_json
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(420)
@@ -23,15 +22,7 @@ pytestmark = pytest.mark.timeout(420)
 # die in `control`, whose victim node holds one too).
 @pytest.mark.parametrize("scenario", ["tp", "control"])
 def test_a_dead_node_loses_no_accepted_request(scenario):
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.chaos.multinode", scenario],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_json([sys.executable, "-m", "tests.chaos.multinode", scenario], REPO, 400)
     assert result["placement"] == ["0", "1"], result  # one engine replica per worker node
     assert result["completed"] == 16 and result["equal"], result
     assert result["replicas_after"] == 2 and result["on_survivor"] == 2, result

@@ -6,11 +6,11 @@ bad body is refused naming its field, and every KV block is free at the end."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.chaos.conftest import run_json
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(480)
@@ -20,9 +20,7 @@ def test_two_minute_soak_loses_nothing_and_frees_every_block(tmp_path):
     command = [sys.executable, "-m", "loadtests.soak", "--duration", "120", "--kill-every", "60"]
     command += ["--burst-every", "40", "--warmup", "30", "--sample-every", "5", "--json"]
     command += ["--out", str(tmp_path)]
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=460)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_json(command, REPO, 460)
     assert (result["lost"], result["hung"], result["wrong"]) == (0, 0, 0), result["failures"]
     kinds = result["by_kind"]
     assert set(kinds) == {"stream", "whole", "chat", "abort", "disconnect", "bad", "burst"}, kinds
