@@ -24,11 +24,8 @@ from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
 from cluster.batching import DecodeWindow, make_policy
 from cluster.control import ClusterControl, ReplicaStats, weighted_load
 from cluster.request_records import RequestRecord, summarize_records
-from cluster.simulator import (
-    SimConfig,
-    SimReplica,
-    gc_paused,
-)
+from cluster.sim_replica import SimReplica
+from cluster.simulator import SimConfig, after, gc_paused
 from cluster.workload import SimRequest
 from engine.core.outputs import SchedulerStats
 
@@ -185,7 +182,10 @@ class ClusterSimulator:
                 record_series(t)
             else:
                 assert stepper is not None
-                stepper.replica.step()
+                # Its steps before the next event that could change its batch, in one go.
+                until = min(t_arrival, t_tick, t_control, after(max_sim_s))
+                if not stepper.replica.stride(until):
+                    stepper.replica.step()
                 if stepper.draining and not stepper.replica.busy:
                     stepper.stopped_s = stepper.replica.clock.now()
                     record_series(stepper.stopped_s)

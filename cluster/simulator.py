@@ -15,22 +15,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig, make_policy
+from cluster.batching import MemoryAwareConfig, PolicyName, SlaConfig
 from cluster.request_records import RequestRecord, Slo, summarize_records
+from cluster.sim_replica import SimReplica
 from cluster.workload import SimRequest
-from engine.core.clock import VirtualClock
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.core.engine_core import EngineCore
-from engine.core.fixed_proposers import SimulatedDrafts
-from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.lora_config import LoRAConfig
-from engine.core.lora_slots import LoRARequest, LoRASlots
-from engine.core.policy import BatchingPolicy, ExternalLimits
-from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.core.speculator import Speculator
-from engine.runner.cost_model import CostModelRunner, CostParams, GpuSpec, ModelSpec
+from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec
+
+
+def after(t: float) -> float:
+    """The first time later than `t`: a step starting at `t` still runs, one after not."""
+    return math.nextafter(t, math.inf)
 
 
 @contextmanager
@@ -74,6 +70,9 @@ class SimConfig:
     spec_acceptance: float = 0.7
     # LoRA adapters (requests name them: SimRequest.adapter): slots, and the rank priced.
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # Runs of steps that only decode the same batch are applied at once (equal results);
+    # False: every step through EngineCore.step, the reference the runs are tested against.
+    decode_stride: bool = True
 
     @classmethod
     def for_engine(
@@ -110,6 +109,7 @@ class SimResult:
     kv_usage_series: list[tuple[float, float]]
     max_num_seqs_series: list[tuple[float, int]]
     free_blocks_at_end: int
+    num_strided_steps: int = 0  # of num_steps, those applied in runs (SimReplica.stride)
 
     def summary(self) -> dict[str, float]:
         return summarize_records(self.records, self.config.slo, self.duration_s) | {
@@ -122,106 +122,8 @@ class SimResult:
             ),
             "num_kv_blocks": self.num_kv_blocks,
             "steps": self.num_steps,
+            "strided_steps": self.num_strided_steps,
         }
-
-
-class SimReplica:
-    """One engine replica on its own virtual clock: the real Scheduler and EngineCore, with
-    a CostModelRunner pricing each step. The single-replica Simulator drives one; the
-    cluster simulator drives many on a shared timeline."""
-
-    def __init__(
-        self,
-        config: SimConfig,
-        records: dict[str, RequestRecord],
-        start_s: float = 0.0,
-        controlled: bool = False,
-    ):
-        """`controlled`: the batching policy runs outside (a ClusterControl sets `external`)."""
-        c = self.config = config
-        self.clock = VirtualClock(start_s)
-        self.runner = CostModelRunner(
-            c.model,
-            c.gpu,
-            self.clock,
-            c.cost,
-            c.cache,
-            c.scheduler.max_model_len,
-            spec_acceptance=c.spec_acceptance,
-            lora_rank=c.lora.max_lora_rank if c.lora.enabled else 0,
-        )
-        kv = KVCacheManager(
-            self.runner.num_kv_blocks(), c.cache.block_size, c.cache.enable_prefix_caching
-        )
-        sched_config = c.scheduler
-        speculator = Speculator(c.speculative, SimulatedDrafts()) if c.speculative.enabled else None
-        slots = LoRASlots(c.lora.max_loras) if c.lora.enabled else None
-        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator, slots)
-        self._adapters: dict[str, LoRARequest] = {}
-        # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
-        policy: BatchingPolicy | None = (
-            None
-            if c.policy == "static"
-            else make_policy(c.policy, c.scheduler.max_num_seqs, c.memory_aware, c.sla)
-        )
-        self.external: ExternalLimits | None = None
-        if controlled:
-            policy = self.external = ExternalLimits(sched_config.limits())
-        self.core = EngineCore(self.scheduler, self.runner, self.clock, policy)
-        self.records = records
-        self.live: dict[str, Request] = {}
-        self.kv_series: list[tuple[float, float]] = []
-        self.seqs_series: list[tuple[float, int]] = []
-        self.batch_sum = 0
-        self.steps = 0
-        self._prompts: dict[int, list[int]] = {}
-
-    @property
-    def busy(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    @property
-    def num_requests(self) -> int:
-        """Requests queued or running here (the router's load)."""
-        return len(self.live)
-
-    def add(self, req: SimRequest) -> None:
-        """Hand a request over at its arrival time (an idle replica's clock catches up)."""
-        if not self.busy and self.clock.now() < req.arrival_s:
-            self.clock.advance(req.arrival_s - self.clock.now())
-        self.records[req.request_id] = RequestRecord(req.arrival_s, req.prompt_len, req.output_len)
-        prompt = self._prompts.get(req.prompt_len)
-        if prompt is None:
-            prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
-        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
-        lora = None
-        if req.adapter is not None and self.config.lora.enabled:
-            lora = self._adapters.get(req.adapter)
-            if lora is None:
-                lora = LoRARequest(req.adapter, len(self._adapters) + 1, "")
-                self._adapters[req.adapter] = lora
-        request = Request(req.request_id, prompt, params, (), req.arrival_s, lora=lora)
-        self.scheduler.add_request(request)
-        self.live[req.request_id] = request
-
-    def step(self) -> None:
-        result = self.core.step()
-        self.steps += 1
-        self.batch_sum += result.num_scheduled
-        if result.num_scheduled == 0 and self.scheduler.stats().num_running == 0:
-            raise RuntimeError("the scheduler made no progress with requests waiting")
-        t = self.clock.now()
-        for out in result.outputs:
-            if out.finish_reason is not None:  # first-token time is on the Request
-                request = self.live.pop(out.request_id)
-                rec = self.records[out.request_id]
-                rec.first_token_s = request.first_token_time
-                rec.num_output = request.num_output_tokens
-                rec.finish_s = t
-        if self.steps % self.config.kv_sample_every == 1:
-            stats = self.scheduler.stats()
-            self.kv_series.append((t, stats.kv_usage))
-            self.seqs_series.append((t, stats.max_num_seqs))
 
 
 class Simulator:
@@ -245,7 +147,9 @@ class Simulator:
                 if not replica.busy:
                     clock.advance(pending[0].arrival_s - now)
                     continue
-                replica.step()
+                until = min(pending[0].arrival_s if pending else math.inf, after(max_sim_s))
+                if not replica.stride(until):
+                    replica.step()
         stats = replica.scheduler.stats()
         return SimResult(
             config=self.config,
@@ -258,6 +162,7 @@ class Simulator:
             kv_usage_series=replica.kv_series,
             max_num_seqs_series=replica.seqs_series,
             free_blocks_at_end=stats.num_free_blocks,
+            num_strided_steps=replica.strided_steps,
         )
 
 

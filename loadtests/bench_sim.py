@@ -1,7 +1,7 @@
 """Static vs dynamic batching in the simulator, on memory-constrained GPU settings.
 
     python -m loadtests.bench_sim paper [--out reports/paper] [--json] [--quick]
-    python -m loadtests.bench_sim speed          # one simulated hour at 20 requests/s
+    python -m loadtests.bench_sim speed [--no-reference]  # replica-hours per minute
     python -m loadtests.bench_sim cpu            # the same on the real CPU engine (same report)
     python -m loadtests.bench_sim autoscale [--out reports/autoscale] [--duration 1800]
         [--startup-delay 60]                     # see loadtests/bench_autoscale.py
@@ -30,6 +30,7 @@ from cluster.simulator import SimConfig, Simulator, capacity
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.core.config import SchedulerConfig
 from engine.runner.cost_model import GPUS, MODELS
+from loadtests import bench_sim_speed
 from loadtests.bench_sim_report import write_cpu_section, write_report
 
 
@@ -215,24 +216,6 @@ def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...])
     }
 
 
-def run_speed(hours: float, rate: float) -> dict[str, Any]:
-    n = int(hours * 3600 * rate)
-    config = SimConfig(MODELS["Llama-2-7B"], GPUS["H100-80GB"]).with_scheduler(max_num_seqs=256)
-    trace = make_workload(n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=0)
-    start = time.perf_counter()
-    res = Simulator(config).run(trace)
-    wall = time.perf_counter() - start
-    s = res.summary()
-    return {
-        "simulated_s": s["duration_s"],
-        "wall_s": wall,
-        "requests": n,
-        "steps": s["steps"],
-        "finished": s["finished"],
-        "output_tok_s": s["output_tok_s"],
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenario", choices=["paper", "speed", "cpu", "autoscale"])
@@ -246,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke runs)")
     parser.add_argument("--hours", type=float, default=1.0)
     parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument(
+        "--no-reference", action="store_true", help="speed: skip the step-by-step baseline"
+    )
     opts = parser.parse_args(argv)
     # The CPU comparison belongs to the paper's report.
     opts.out = opts.out or f"reports/{'paper' if opts.scenario == 'cpu' else opts.scenario}"
@@ -260,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print((Path(opts.out) / "report.md").read_text())
         return result
     if opts.scenario == "speed":
-        result = run_speed(opts.hours, opts.rate)
+        result = bench_sim_speed.run_speed(opts.hours, opts.rate, not opts.no_reference)
     elif opts.scenario == "cpu":
         result = run_cpu(opts.model, opts.num_requests, opts.kv_mb, (8, 16, 32, 64))
         write_cpu_section(result, Path(opts.out))
@@ -273,10 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif opts.scenario == "cpu":
         print(f"best dynamic over best static: {100 * result['best_throughput_gain']:+.1f}%")
     elif opts.scenario == "speed":
-        print(
-            f"{result['requests']} requests, {result['simulated_s']:.0f} simulated s in "
-            f"{result['wall_s']:.1f} s wall ({result['steps']} steps)"
-        )
+        print(bench_sim_speed.describe(result))
     else:
         print((Path(opts.out) / "report.md").read_text())
     return result

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from engine.core.clock import VirtualClock
 from engine.core.config import CacheConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.request import Request
 
 # The specs' tables, also read from here.
 from engine.runner.gpu_specs import GPUS as GPUS
@@ -72,12 +73,8 @@ def step_cost(
 ) -> StepCost:
     """`lora_rank`: the rank of the LoRA adapters of rows that run one (each adapting every
     linear layer): their tokens' shrink and expand FLOPs, and each adapter's weights read."""
-    tokens = out.num_batched_tokens
     if not out.scheduled:
         return StepCost(params.step_overhead_s, 0.0, 0.0)
-    q_dim = model.num_heads * model.head_dim
-    attn_flops_per_ctx = 4 * model.num_layers * q_dim
-    kv_tok = model.kv_bytes_per_token
     sampled = 0
     attended = 0  # sum over scheduled tokens of the context each attends to
     context = 0  # sum over requests of their context, read once per request per step
@@ -92,17 +89,48 @@ def step_cost(
         if s.lora_slot >= 0:
             lora_tokens += n
             lora_slots.add(s.lora_slot)
-    kv_read = context * kv_tok
+    batch = StepShape(
+        len(out.scheduled), out.num_batched_tokens, sampled, attended, context, lora_tokens
+    )
+    return priced(batch, len(lora_slots), model, gpu, params, lora_rank)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's price depends on: integer sums over its rows."""
+
+    rows: int
+    tokens: int
+    sampled: int
+    attended: int  # sum over its tokens of the context each attends to
+    context: int  # sum over its rows of their context after the step
+    lora_tokens: int = 0
+
+
+def priced(
+    b: StepShape,
+    num_adapters: int,
+    model: ModelSpec,
+    gpu: GpuSpec,
+    params: CostParams,
+    lora_rank: int = 0,
+) -> StepCost:
+    """The cost of a step of that shape (`num_adapters`: distinct LoRA adapters in it)."""
+    tokens = b.tokens
+    q_dim = model.num_heads * model.head_dim
+    attn_flops_per_ctx = 4 * model.num_layers * q_dim
+    kv_tok = model.kv_bytes_per_token
+    kv_read = b.context * kv_tok
     lora_params = model.num_layers * lora_rank * model.lora_params_per_rank
     linear_flops = 2.0 * (
-        model.num_layers * model.layer_params * tokens + lora_params * lora_tokens
+        model.num_layers * model.layer_params * tokens + lora_params * b.lora_tokens
     )
     other_flops = (
-        2.0 * model.hidden_size * model.vocab_size * sampled + attn_flops_per_ctx * attended
+        2.0 * model.hidden_size * model.vocab_size * b.sampled + attn_flops_per_ctx * b.attended
     )
     flops = linear_flops + other_flops
     nbytes = model.weight_bytes + kv_read + tokens * kv_tok
-    nbytes += len(lora_slots) * lora_params * model.dtype_bytes
+    nbytes += num_adapters * lora_params * model.dtype_bytes
     tp = model.tp
     linear_peak = gpu.fp8_flops if model.fp8_gemms and gpu.fp8_flops else gpu.peak_flops
     compute = (linear_flops / linear_peak + other_flops / gpu.peak_flops) / (
@@ -116,7 +144,7 @@ def step_cost(
         comm = model.num_layers * per_layer / gpu.interconnect_bw
     overhead = (
         params.step_overhead_s
-        + params.per_seq_overhead_s * len(out.scheduled)
+        + params.per_seq_overhead_s * b.rows
         + params.per_token_overhead_s * tokens
     )
     return StepCost(overhead + max(compute, memory) + comm, flops, nbytes)
@@ -196,3 +224,24 @@ class CostModelRunner:
             elif s.sample:
                 sampled[s.request_id] = token
         return ModelRunnerOutput(sampled, spec_token_ids=spec)
+
+    def decode_run(self, rows: list[Request], max_steps: int, until_s: float) -> list[float]:
+        """Price decode-only steps of the running requests `rows` (each one token, as `execute`
+        prices it) one after another, at most `max_steps`, each starting before `until_s`,
+        advancing the clock: the clock at the end of each."""
+        context = sum(r.num_computed_tokens for r in rows)
+        lora_tokens = sum(1 for r in rows if r.lora_slot >= 0)
+        num_adapters = len({r.lora_slot for r in rows if r.lora_slot >= 0})
+        n = len(rows)
+        clock, params, rank = self.clock, self.params, self.lora_rank
+        ends: list[float] = []
+        for _ in range(max_steps):
+            if clock.now() >= until_s:
+                break
+            context += n  # each row attends to its context and its new token
+            shape = StepShape(n, n, n, context, context, lora_tokens)
+            cost = priced(shape, num_adapters, self.model, self.gpu, params, rank).seconds
+            clock.advance(cost)
+            self.busy_seconds += cost
+            ends.append(clock.now())
+        return ends

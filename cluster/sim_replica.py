@@ -1,0 +1,163 @@
+"""One simulated engine replica: the real Scheduler and EngineCore on its own virtual clock,
+a CostModelRunner pricing each step, and the records of the requests it served."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cluster.batching import make_policy
+from cluster.request_records import RequestRecord
+from cluster.workload import SimRequest
+from engine.core.clock import VirtualClock
+from engine.core.decode_stride import advance_decode, blocks_for_run, decode_horizon
+from engine.core.engine_core import EngineCore
+from engine.core.fixed_proposers import SimulatedDrafts
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.lora_slots import LoRARequest, LoRASlots
+from engine.core.policy import BatchingPolicy, ExternalLimits
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.speculator import Speculator
+from engine.runner.cost_model import CostModelRunner
+
+if TYPE_CHECKING:
+    from cluster.simulator import SimConfig
+
+
+class SimReplica:
+    """One engine replica on its own virtual clock: the real Scheduler and EngineCore, with
+    a CostModelRunner pricing each step. The single-replica Simulator drives one; the
+    cluster simulator drives many on a shared timeline."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        records: dict[str, RequestRecord],
+        start_s: float = 0.0,
+        controlled: bool = False,
+    ):
+        """`controlled`: the batching policy runs outside (a ClusterControl sets `external`)."""
+        c = self.config = config
+        self.clock = VirtualClock(start_s)
+        self.runner = CostModelRunner(
+            c.model,
+            c.gpu,
+            self.clock,
+            c.cost,
+            c.cache,
+            c.scheduler.max_model_len,
+            spec_acceptance=c.spec_acceptance,
+            lora_rank=c.lora.max_lora_rank if c.lora.enabled else 0,
+        )
+        kv = KVCacheManager(
+            self.runner.num_kv_blocks(), c.cache.block_size, c.cache.enable_prefix_caching
+        )
+        sched_config = c.scheduler
+        speculator = Speculator(c.speculative, SimulatedDrafts()) if c.speculative.enabled else None
+        slots = LoRASlots(c.lora.max_loras) if c.lora.enabled else None
+        self.scheduler = Scheduler(sched_config, kv, self.clock, speculator, slots)
+        self._adapters: dict[str, LoRARequest] = {}
+        # Static is the scheduler's own fixed limit: no policy call (and no stats) per step.
+        policy: BatchingPolicy | None = (
+            None
+            if c.policy == "static"
+            else make_policy(c.policy, c.scheduler.max_num_seqs, c.memory_aware, c.sla)
+        )
+        self.external: ExternalLimits | None = None
+        if controlled:
+            policy = self.external = ExternalLimits(sched_config.limits())
+        self.core = EngineCore(self.scheduler, self.runner, self.clock, policy)
+        self.records = records
+        self.live: dict[str, Request] = {}
+        self.kv_series: list[tuple[float, float]] = []
+        self.seqs_series: list[tuple[float, int]] = []
+        self.batch_sum = 0
+        self.steps = 0
+        self.strided_steps = 0  # of `steps`, those taken in `stride` runs
+        self._prompts: dict[int, list[int]] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running here (the router's load)."""
+        return len(self.live)
+
+    def add(self, req: SimRequest) -> None:
+        """Hand a request over at its arrival time (an idle replica's clock catches up)."""
+        if not self.busy and self.clock.now() < req.arrival_s:
+            self.clock.advance(req.arrival_s - self.clock.now())
+        self.records[req.request_id] = RequestRecord(req.arrival_s, req.prompt_len, req.output_len)
+        prompt = self._prompts.get(req.prompt_len)
+        if prompt is None:
+            prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
+        params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+        lora = None
+        if req.adapter is not None and self.config.lora.enabled:
+            lora = self._adapters.get(req.adapter)
+            if lora is None:
+                lora = LoRARequest(req.adapter, len(self._adapters) + 1, "")
+                self._adapters[req.adapter] = lora
+        request = Request(req.request_id, prompt, params, (), req.arrival_s, lora=lora)
+        self.scheduler.add_request(request)
+        self.live[req.request_id] = request
+
+    def step(self) -> None:
+        result = self.core.step()
+        self.steps += 1
+        self.batch_sum += result.num_scheduled
+        if result.num_scheduled == 0 and self.scheduler.stats().num_running == 0:
+            raise RuntimeError("the scheduler made no progress with requests waiting")
+        t = self.clock.now()
+        for out in result.outputs:
+            if out.finish_reason is not None:  # first-token time is on the Request
+                request = self.live.pop(out.request_id)
+                rec = self.records[out.request_id]
+                rec.first_token_s = request.first_token_time
+                rec.num_output = request.num_output_tokens
+                rec.finish_s = t
+        if self.steps % self.config.kv_sample_every == 1:
+            stats = self.scheduler.stats()
+            self.kv_series.append((t, stats.kv_usage))
+            self.seqs_series.append((t, stats.max_num_seqs))
+
+    def stride(self, until_s: float) -> int:
+        """Run the next steps that only decode the same batch, those starting before
+        `until_s` (the next event that could change the batch), in one go; 0 if the next
+        step is not such a step (the caller then takes it with `step`). Equal to stepping:
+        the same scheduler state, clock and records (engine/core/decode_stride.py)."""
+        if not self.config.decode_stride:
+            return 0
+        if self.core.policy is not None and self.external is None:
+            return 0  # a policy run before every step may change the limits at any step
+        token = self.runner.sampled_token_id
+        scheduler = self.scheduler
+        horizon = decode_horizon(scheduler, token)
+        if horizon < 2:
+            return 0
+        start = self.clock.now()
+        ends = self.runner.decode_run(scheduler.running, horizon, until_s)
+        k = len(ends)
+        if not k:
+            return 0
+        # KV usage after each sampled step (as `step` samples it), read before the run.
+        every, first = self.config.kv_sample_every, self.steps
+        kv = scheduler.kv_cache
+        samples = [
+            (ends[j - 1], 1.0 - (kv.num_free_blocks - blocks_for_run(scheduler, j)) / kv.num_blocks)
+            for j in range(1, k + 1)
+            if (first + j) % every == 1
+        ]
+        advance_decode(
+            scheduler, token, [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
+        )
+        self.steps += k
+        self.strided_steps += k
+        self.batch_sum += k * len(scheduler.running)
+        limit = scheduler.limits.max_num_seqs
+        self.kv_series += samples
+        self.seqs_series += [(t, limit) for t, _ in samples]
+        return k

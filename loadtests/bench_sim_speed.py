@@ -1,0 +1,127 @@
+"""How fast the simulator runs (`bench_sim speed`): simulated replica-hours per minute of wall
+time, with decode runs applied at once (SimConfig.decode_stride) and, as the baseline in the
+same run, stepping every step; the two must agree on every request's finish time.
+
+Two workloads: one replica at a steady Poisson rate (`--hours`, `--rate`), and the
+autoscaling study's diurnal trace served by the queue-depth rule's default setting
+(loadtests/bench_autoscale.py), the shape of a fleet a user tunes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from cluster.autoscale import AutoscaleConfig
+from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
+from cluster.request_records import Slo
+from cluster.simulator import SimConfig, Simulator
+from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, Burst, make_diurnal_workload, make_workload
+from engine.runner.cost_model import GPUS, MODELS
+
+# One replica's capacity in the autoscaling study (A100-80GB, Llama-2-7B, max_num_seqs 128,
+# >= 90% within TTFT 2 s and ITL 100 ms), as `bench_sim autoscale` measures it.
+AUTOSCALE_CAPACITY_RPS = 13.0
+
+
+def _timed(run) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = run()
+    return result, time.perf_counter() - start
+
+
+def _figures(result, wall: float, replica_hours: float) -> dict[str, Any]:
+    s = result.summary()
+    return {
+        "wall_s": wall,
+        "replica_hours": replica_hours,
+        "replica_hours_per_minute": replica_hours / wall * 60.0,
+        "finished": s["finished"],
+        "steps": s.get("steps"),
+        "strided_steps": s.get("strided_steps"),
+    }
+
+
+def _same(a, b) -> bool:
+    key = lambda r: (r.first_token_s, r.finish_s, r.num_output)  # noqa: E731
+    return {k: key(r) for k, r in a.records.items()} == {k: key(r) for k, r in b.records.items()}
+
+
+def single_replica(hours: float, rate: float, reference: bool) -> dict[str, Any]:
+    n = int(hours * 3600 * rate)
+    config = SimConfig(MODELS["Llama-2-7B"], GPUS["H100-80GB"]).with_scheduler(max_num_seqs=256)
+    trace = make_workload(n, rate, "poisson", CHAT_PROMPT, CHAT_OUTPUT, seed=0)
+    fast, wall = _timed(lambda: Simulator(config).run(trace))
+    out = {
+        "workload": f"one H100-80GB replica of Llama-2-7B, {rate:g} requests/s, {n} requests",
+        "requests": n,
+        "simulated_s": fast.duration_s,
+        "output_tok_s": fast.summary()["output_tok_s"],
+        "strided": _figures(fast, wall, fast.duration_s / 3600.0),
+    }
+    if reference:
+        slow, wall = _timed(lambda: Simulator(replace(config, decode_stride=False)).run(trace))
+        out["stepping"] = _figures(slow, wall, slow.duration_s / 3600.0)
+        out["equal"] = _same(fast, slow)
+    return out
+
+
+def autoscaled_fleet(duration_s: float, reference: bool) -> dict[str, Any]:
+    cap = AUTOSCALE_CAPACITY_RPS
+    replica = SimConfig(MODELS["Llama-2-7B"], GPUS["A100-80GB"], slo=Slo(2.0, 0.1))
+    replica = replica.with_scheduler(max_num_seqs=128)
+    bursts = (Burst(duration_s / 3, duration_s / 30, 2.0 * cap),)
+    trace = make_diurnal_workload(duration_s, 0.3 * cap, 2.5 * cap, duration_s, bursts, seed=0)
+    rule = AutoscaleConfig(1, 6, target_waiting=4, upscale_delay_s=10, downscale_delay_s=60)
+
+    def run(stride: bool):
+        config = ClusterSimConfig(replace(replica, decode_stride=stride), rule, 1, 60.0)
+        return ClusterSimulator(config).run(trace)
+
+    fast, wall = _timed(lambda: run(True))
+    hours = fast.summary()["replica_hours"]
+    out = {
+        "workload": f"autoscaling study: diurnal {len(trace)} requests over {duration_s:g} s, "
+        "rule: default",
+        "requests": len(trace),
+        "strided": _figures(fast, wall, hours),
+    }
+    if reference:
+        slow, wall = _timed(lambda: run(False))
+        out["stepping"] = _figures(slow, wall, slow.summary()["replica_hours"])
+        out["equal"] = _same(fast, slow)
+    return out
+
+
+def run_speed(hours: float, rate: float, reference: bool = True) -> dict[str, Any]:
+    runs = [single_replica(hours, rate, reference), autoscaled_fleet(1800.0 * hours, reference)]
+    for r in runs:
+        if reference:
+            r["speedup"] = r["stepping"]["wall_s"] / r["strided"]["wall_s"]
+    first = runs[0]["strided"]
+    return {
+        "replica_hours_per_minute": first["replica_hours_per_minute"],
+        "wall_s": first["wall_s"],
+        "workloads": runs,
+    }
+
+
+def describe(result: dict[str, Any]) -> str:
+    lines = []
+    for r in result["workloads"]:
+        fast = r["strided"]
+        line = (
+            f"{r['workload']}: {fast['replica_hours']:.2f} replica-hours in {fast['wall_s']:.1f} s "
+            f"= {fast['replica_hours_per_minute']:.2f} replica-hours/min"
+        )
+        if fast["steps"] is not None:
+            line += f" ({fast['strided_steps']} of {fast['steps']} steps in runs)"
+        if "stepping" in r:
+            slow = r["stepping"]
+            line += (
+                f"; stepping {slow['wall_s']:.1f} s = {slow['replica_hours_per_minute']:.2f}/min, "
+                f"{r['speedup']:.2f}x, results {'equal' if r['equal'] else 'DIFFERENT'}"
+            )
+        lines.append(line)
+    return "\n".join(lines)
