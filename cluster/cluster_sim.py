@@ -184,8 +184,7 @@ class ClusterSimulator:
                 assert stepper is not None
                 # Its steps before the next event that could change its batch, in one go.
                 until = min(t_arrival, t_tick, t_control, after(max_sim_s))
-                if not stepper.replica.stride(until):
-                    stepper.replica.step()
+                stepper.replica.advance(until)
                 if stepper.draining and not stepper.replica.busy:
                     stepper.stopped_s = stepper.replica.clock.now()
                     record_series(stepper.stopped_s)

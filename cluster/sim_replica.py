@@ -9,7 +9,7 @@ from cluster.batching import make_policy
 from cluster.request_records import RequestRecord
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
-from engine.core.decode_stride import advance_decode, blocks_for_run, decode_horizon
+from engine.core.decode_cohort import DecodeCohort
 from engine.core.engine_core import EngineCore
 from engine.core.fixed_proposers import SimulatedDrafts
 from engine.core.kv_cache_manager import KVCacheManager
@@ -74,7 +74,13 @@ class SimReplica:
         self.seqs_series: list[tuple[float, int]] = []
         self.batch_sum = 0
         self.steps = 0
-        self.strided_steps = 0  # of `steps`, those taken in `stride` runs
+        self.cohort_steps = 0  # of `steps`, those the decode cohort took
+        # Steady decoders moved together where the scheduler's decisions allow it.
+        self.cohort = (
+            DecodeCohort(self.scheduler, self.clock, self.runner.sampled_token_id)
+            if c.decode_cohort and DecodeCohort.fits(self.scheduler, policy)
+            else None
+        )
         self._prompts: dict[int, list[int]] = {}
 
     @property
@@ -114,50 +120,38 @@ class SimReplica:
         t = self.clock.now()
         for out in result.outputs:
             if out.finish_reason is not None:  # first-token time is on the Request
-                request = self.live.pop(out.request_id)
-                rec = self.records[out.request_id]
-                rec.first_token_s = request.first_token_time
-                rec.num_output = request.num_output_tokens
-                rec.finish_s = t
+                self._finished(self.live[out.request_id], t)
+        self._sample(t)
+
+    def _finished(self, request: Request, t: float) -> None:
+        del self.live[request.request_id]
+        rec = self.records[request.request_id]
+        rec.first_token_s = request.first_token_time
+        rec.num_output = request.num_output_tokens
+        rec.finish_s = t
+
+    def _sample(self, t: float) -> None:
         if self.steps % self.config.kv_sample_every == 1:
             stats = self.scheduler.stats()
             self.kv_series.append((t, stats.kv_usage))
             self.seqs_series.append((t, stats.max_num_seqs))
 
-    def stride(self, until_s: float) -> int:
-        """Run the next steps that only decode the same batch, those starting before
-        `until_s` (the next event that could change the batch), in one go; 0 if the next
-        step is not such a step (the caller then takes it with `step`). Equal to stepping:
-        the same scheduler state, clock and records (engine/core/decode_stride.py)."""
-        if not self.config.decode_stride:
-            return 0
-        if self.core.policy is not None and self.external is None:
-            return 0  # a policy run before every step may change the limits at any step
-        token = self.runner.sampled_token_id
-        scheduler = self.scheduler
-        horizon = decode_horizon(scheduler, token)
-        if horizon < 2:
-            return 0
-        start = self.clock.now()
-        ends = self.runner.decode_run(scheduler.running, horizon, until_s)
-        k = len(ends)
-        if not k:
-            return 0
-        # KV usage after each sampled step (as `step` samples it), read before the run.
-        every, first = self.config.kv_sample_every, self.steps
-        kv = scheduler.kv_cache
-        samples = [
-            (ends[j - 1], 1.0 - (kv.num_free_blocks - blocks_for_run(scheduler, j)) / kv.num_blocks)
-            for j in range(1, k + 1)
-            if (first + j) % every == 1
-        ]
-        advance_decode(
-            scheduler, token, [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
-        )
-        self.steps += k
-        self.strided_steps += k
-        self.batch_sum += k * len(scheduler.running)
-        limit = scheduler.limits.max_num_seqs
-        self.kv_series += samples
-        self.seqs_series += [(t, limit) for t, _ in samples]
-        return k
+    def advance(self, until_s: float) -> None:
+        """Take the next step, and those after it that start before `until_s` (the next
+        event that could change the batch: an arrival, a tick) where the decode cohort
+        can take them; equal to stepping (engine/core/decode_cohort.py)."""
+        cohort = self.cohort
+        if cohort is not None and (cohort.active or cohort.enter()):
+            if self.external is not None:
+                self.scheduler.set_limits(self.external.current)
+            if cohort.run(until_s, self.runner.run_step, self._cohort_step):
+                return
+        self.step()
+
+    def _cohort_step(self, t: float, num_scheduled: int, finished: list[Request]) -> None:
+        self.steps += 1
+        self.cohort_steps += 1
+        self.batch_sum += num_scheduled
+        for request in finished:
+            self._finished(request, t)
+        self._sample(t)

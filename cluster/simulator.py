@@ -72,7 +72,7 @@ class SimConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     # Runs of steps that only decode the same batch are applied at once (equal results);
     # False: every step through EngineCore.step, the reference the runs are tested against.
-    decode_stride: bool = True
+    decode_cohort: bool = True
 
     @classmethod
     def for_engine(
@@ -109,7 +109,9 @@ class SimResult:
     kv_usage_series: list[tuple[float, float]]
     max_num_seqs_series: list[tuple[float, int]]
     free_blocks_at_end: int
-    num_strided_steps: int = 0  # of num_steps, those applied in runs (SimReplica.stride)
+    num_cohort_steps: int = (
+        0  # of num_steps, those the decode cohort took (engine/core/decode_cohort.py)
+    )
 
     def summary(self) -> dict[str, float]:
         return summarize_records(self.records, self.config.slo, self.duration_s) | {
@@ -122,7 +124,7 @@ class SimResult:
             ),
             "num_kv_blocks": self.num_kv_blocks,
             "steps": self.num_steps,
-            "strided_steps": self.num_strided_steps,
+            "cohort_steps": self.num_cohort_steps,
         }
 
 
@@ -148,8 +150,7 @@ class Simulator:
                     clock.advance(pending[0].arrival_s - now)
                     continue
                 until = min(pending[0].arrival_s if pending else math.inf, after(max_sim_s))
-                if not replica.stride(until):
-                    replica.step()
+                replica.advance(until)
         stats = replica.scheduler.stats()
         return SimResult(
             config=self.config,
@@ -162,7 +163,7 @@ class Simulator:
             kv_usage_series=replica.kv_series,
             max_num_seqs_series=replica.seqs_series,
             free_blocks_at_end=stats.num_free_blocks,
-            num_strided_steps=replica.strided_steps,
+            num_cohort_steps=replica.cohort_steps,
         )
 
 

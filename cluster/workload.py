@@ -1,9 +1,9 @@
 """Seeded request traces for the simulator and load tests: arrivals plus prompt/output lengths.
 
 Arrivals: "offline" (everything at t=0), "poisson" (exponential gaps at `rate`), "bursty"
-(gamma gaps with the same mean and coefficient of variation `burstiness` > 1), a diurnal rate
-curve with bursts on top (`make_diurnal_workload`, for autoscaling), or replayed from
-a JSONL trace (one object per line: `arrival_s`, `prompt_len`, `output_len`).
+(gamma gaps with the same mean and coefficient of variation `burstiness` > 1), or a diurnal
+rate curve with bursts on top (`make_diurnal_workload`, for autoscaling). Traces replayed
+from a file: cluster/trace_file.py.
 
 Lengths: fixed, uniform, or lognormal. CHAT_PROMPT / CHAT_OUTPUT are lognormals moment-matched
 to the ShareGPT means reported in the vLLM paper (Kwon et al., SOSP 2023: 161 input and 338
@@ -13,11 +13,9 @@ clipped to [4, 2048] and [4, 1024].
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 
@@ -132,24 +130,25 @@ def make_diurnal_workload(
             out.append(SimRequest(f"r{len(out)}", t, prompt.sample(rng), output.sample(rng)))
 
 
-def load_trace(path: str | Path) -> list[SimRequest]:
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        out.append(
-            SimRequest(
-                str(row.get("request_id", f"r{i}")),
-                float(row["arrival_s"]),
-                int(row["prompt_len"]),
-                int(row["output_len"]),
-                row.get("adapter"),
-            )
-        )
-    return sorted(out, key=lambda r: r.arrival_s)
+# The tuner's named traces (`cluster.tune --workload`): `rate` requests/s (diurnal: at the peak).
+LONG_PROMPT = LengthDist("lognormal", 1200, 0.6, lo=64, hi=3000)
+SHORT_OUTPUT = LengthDist("lognormal", 150, 0.8, lo=4, hi=512)
+NAMED_WORKLOADS = ("chat", "long-prompt", "bursty", "diurnal")
 
 
-def save_trace(requests: list[SimRequest], path: str | Path) -> None:
-    lines = [json.dumps(r.__dict__) for r in requests]
-    Path(path).write_text("\n".join(lines) + "\n")
+def named_workload(name: str, rate: float, duration_s: float, seed: int = 0) -> list[SimRequest]:
+    """chat: Poisson, ShareGPT-like lengths. long-prompt: Poisson, RAG-like prompts (1,200
+    tokens on average) and short answers. bursty: chat lengths, gamma gaps with a coefficient
+    of variation of 3. diurnal: chat lengths, a day compressed into `duration_s` (trough at
+    15% of the peak) with a burst of +80% for a thirtieth of it, a third of the way in."""
+    n = max(1, round(rate * duration_s))
+    if name == "chat":
+        return make_workload(n, rate, "poisson", seed=seed)
+    if name == "long-prompt":
+        return make_workload(n, rate, "poisson", LONG_PROMPT, SHORT_OUTPUT, seed=seed)
+    if name == "bursty":
+        return make_workload(n, rate, "bursty", seed=seed)
+    if name == "diurnal":
+        burst = Burst(duration_s / 3, duration_s / 30, 0.8 * rate)
+        return make_diurnal_workload(duration_s, 0.15 * rate, rate, duration_s, (burst,), seed=seed)
+    raise ValueError(f"workload: one of {', '.join(NAMED_WORKLOADS)}, got {name!r}")

@@ -1,5 +1,5 @@
 """How fast the simulator runs (`bench_sim speed`): simulated replica-hours per minute of wall
-time, with decode runs applied at once (SimConfig.decode_stride) and, as the baseline in the
+time, with decode runs applied at once (SimConfig.decode_cohort) and, as the baseline in the
 same run, stepping every step; the two must agree on every request's finish time.
 
 Two workloads: one replica at a steady Poisson rate (`--hours`, `--rate`), and the
@@ -39,7 +39,7 @@ def _figures(result, wall: float, replica_hours: float) -> dict[str, Any]:
         "replica_hours_per_minute": replica_hours / wall * 60.0,
         "finished": s["finished"],
         "steps": s.get("steps"),
-        "strided_steps": s.get("strided_steps"),
+        "cohort_steps": s.get("cohort_steps"),
     }
 
 
@@ -61,7 +61,7 @@ def single_replica(hours: float, rate: float, reference: bool) -> dict[str, Any]
         "strided": _figures(fast, wall, fast.duration_s / 3600.0),
     }
     if reference:
-        slow, wall = _timed(lambda: Simulator(replace(config, decode_stride=False)).run(trace))
+        slow, wall = _timed(lambda: Simulator(replace(config, decode_cohort=False)).run(trace))
         out["stepping"] = _figures(slow, wall, slow.duration_s / 3600.0)
         out["equal"] = _same(fast, slow)
     return out
@@ -76,7 +76,7 @@ def autoscaled_fleet(duration_s: float, reference: bool) -> dict[str, Any]:
     rule = AutoscaleConfig(1, 6, target_waiting=4, upscale_delay_s=10, downscale_delay_s=60)
 
     def run(stride: bool):
-        config = ClusterSimConfig(replace(replica, decode_stride=stride), rule, 1, 60.0)
+        config = ClusterSimConfig(replace(replica, decode_cohort=stride), rule, 1, 60.0)
         return ClusterSimulator(config).run(trace)
 
     fast, wall = _timed(lambda: run(True))
@@ -116,7 +116,7 @@ def describe(result: dict[str, Any]) -> str:
             f"= {fast['replica_hours_per_minute']:.2f} replica-hours/min"
         )
         if fast["steps"] is not None:
-            line += f" ({fast['strided_steps']} of {fast['steps']} steps in runs)"
+            line += f" ({fast['cohort_steps']} of {fast['steps']} steps in runs)"
         if "stepping" in r:
             slow = r["stepping"]
             line += (

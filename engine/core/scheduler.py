@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from bisect import insort
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from engine.core.admission import admit_waiting
 from engine.core.clock import Clock, MonotonicClock
 from engine.core.config import SchedulerConfig, SchedulerLimits
 from engine.core.errors import InvalidParam
@@ -20,7 +20,7 @@ from engine.core.outputs import (
 )
 from engine.core.preemption import allocate_or_preempt
 from engine.core.request import Request, RequestStatus
-from engine.core.request_order import POLICY_KEYS, RESUME_GRACE_STEPS, aging_order, pick_victim
+from engine.core.request_order import POLICY_KEYS, RESUME_GRACE_STEPS, pick_victim
 from engine.core.scheduler_state import check_integrity, check_request, scheduler_stats
 from engine.core.speculator import Speculator
 from engine.core.step_stats import StepStats
@@ -110,7 +110,6 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
 
         num_decodes = num_drafts = 0
         kv = self.kv_cache
@@ -155,37 +154,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if self.config.batching == "static" and not self.running:
-            self._static_admitted = 0
         # Admitting right after a preemption would only thrash the cache.
-        if self.config.scheduling_policy != "fcfs" and len(self.waiting) > 1 and budget > 0:
-            oldest = self.clock.now() - self.config.aging_s
-            self.waiting = aging_order(self.waiting, self._key, oldest)
-        loras = self.loras
-        no_slot: list[Request] = []  # their adapters wait for a slot; the rest go ahead
-        while not preempted and self.waiting and budget > 0 and self._may_admit():
-            request = self.waiting[0]
-            if loras is not None and not loras.can_acquire(request.lora):
-                no_slot.append(self.waiting.popleft())
-                continue
-            admitted = kv.admit_waiting(request, budget, request.status == RequestStatus.SWAPPED)
-            if admitted is None:
-                break
-            n, copies = admitted
-            swap_in += copies
-            self.waiting.popleft()
-            if loras is not None:
-                request.lora_slot = loras.acquire(request.lora)
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock.now()
-            if request.num_preemptions:
-                request.resumed_at_step = self.num_steps_total
-            insort(self.running, request, key=self._key)
-            self._static_admitted += 1
-            scheduled.append(ScheduledRequest.of(request, n, kv.block_ids(request.request_id)))
-            budget -= n
-        self.waiting.extendleft(reversed(no_slot))
+        admitted, swap_in, budget = admit_waiting(self, budget, allowed=not preempted)
+        scheduled += admitted
 
         ended, self._ended_since_last_step = self._ended_since_last_step, []
         self.num_steps_total += 1
@@ -198,7 +169,7 @@ class Scheduler:
             preempted_request_ids=preempted,
             blocks_to_swap_out=self._swap_out,
             blocks_to_swap_in=swap_in,
-            lora_loads=loras.take_loads() if loras is not None else [],
+            lora_loads=self.loras.take_loads() if self.loras is not None else [],
         )
 
     def update_from_output(

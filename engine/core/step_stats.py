@@ -40,20 +40,3 @@ class StepStats:
             self.decode_steps_total += 1
             self.decode_step_seconds_total += seconds
             self.decode_step_seqs_total += self.last_num_seqs
-
-    def decode_run(self, num_seqs: int, step_seconds: list[float]) -> None:
-        """Decode-only steps of `num_seqs` requests each, as many as `step_seconds` holds:
-        the same as `scheduled` and `executed` for each (engine/core/decode_stride.py)."""
-        k = len(step_seconds)
-        if not k:
-            return
-        self.batch_size_histogram.observe(num_seqs, k)
-        self.last_num_seqs = self.last_num_decodes = num_seqs
-        self.last_decode_only = True
-        total = self.decode_step_seconds_total
-        for seconds in step_seconds:
-            total += seconds
-        self.decode_step_seconds_total = total
-        self.last_duration_s = step_seconds[-1]
-        self.decode_steps_total += k
-        self.decode_step_seqs_total += num_seqs * k

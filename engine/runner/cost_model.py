@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from engine.core.clock import VirtualClock
 from engine.core.config import CacheConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.core.request import Request
 
 # The specs' tables, also read from here.
 from engine.runner.gpu_specs import GPUS as GPUS
@@ -73,81 +72,91 @@ def step_cost(
 ) -> StepCost:
     """`lora_rank`: the rank of the LoRA adapters of rows that run one (each adapting every
     linear layer): their tokens' shrink and expand FLOPs, and each adapter's weights read."""
-    if not out.scheduled:
-        return StepCost(params.step_overhead_s, 0.0, 0.0)
-    sampled = 0
-    attended = 0  # sum over scheduled tokens of the context each attends to
-    context = 0  # sum over requests of their context, read once per request per step
-    lora_tokens = 0
-    lora_slots = set()
-    # Integer sums (exact, and the cheapest Python loop: this runs per request per step).
-    for s in out.scheduled:
-        n, start = len(s.token_ids), s.num_computed_tokens
-        attended += n * start + n * (n + 1) // 2
-        context += start + n
-        sampled += s.sample + s.num_drafts  # a row with drafts is sampled at each position
-        if s.lora_slot >= 0:
-            lora_tokens += n
-            lora_slots.add(s.lora_slot)
-    batch = StepShape(
-        len(out.scheduled), out.num_batched_tokens, sampled, attended, context, lora_tokens
-    )
-    return priced(batch, len(lora_slots), model, gpu, params, lora_rank)
+    return Pricer(model, gpu, params, lora_rank).step(out)
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a step's price depends on: integer sums over its rows."""
+class Pricer:
+    """Step costs for one model on one GPU: the model's constants worked out once (the
+    simulator prices every step), the same arithmetic in the same order as ever."""
 
-    rows: int
-    tokens: int
-    sampled: int
-    attended: int  # sum over its tokens of the context each attends to
-    context: int  # sum over its rows of their context after the step
-    lora_tokens: int = 0
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, params: CostParams, lora_rank: int):
+        self.model, self.gpu, self.params = model, gpu, params
+        self.attn_flops_per_ctx = 4 * model.num_layers * (model.num_heads * model.head_dim)
+        self.kv_tok = model.kv_bytes_per_token
+        self.lora_params = model.num_layers * lora_rank * model.lora_params_per_rank
+        self.linear_params = model.num_layers * model.layer_params
+        self.sample_flops = 2.0 * model.hidden_size * model.vocab_size
+        self.weight_bytes = model.weight_bytes
+        self.tp = model.tp
+        fp8 = model.fp8_gemms and gpu.fp8_flops
+        self.linear_peak = gpu.fp8_flops if fp8 else gpu.peak_flops
+        self.compute_share = params.flops_efficiency * self.tp
+        self.bandwidth = gpu.mem_bw * params.bw_efficiency * self.tp
 
+    def step(self, out: SchedulerOutput) -> StepCost:
+        if not out.scheduled:
+            return StepCost(self.params.step_overhead_s, 0.0, 0.0)
+        sampled = 0
+        attended = 0  # sum over scheduled tokens of the context each attends to
+        context = 0  # sum over requests of their context, read once per request per step
+        lora_tokens = 0
+        lora_slots = set()
+        # Integer sums (exact, and the cheapest Python loop: this runs per request per step).
+        for s in out.scheduled:
+            n, start = len(s.token_ids), s.num_computed_tokens
+            attended += n * start + n * (n + 1) // 2
+            context += start + n
+            sampled += s.sample + s.num_drafts  # a row with drafts is sampled at each position
+            if s.lora_slot >= 0:
+                lora_tokens += n
+                lora_slots.add(s.lora_slot)
+        return StepCost(
+            *self.cost(
+                len(out.scheduled),
+                out.num_batched_tokens,
+                sampled,
+                attended,
+                context,
+                lora_tokens,
+                len(lora_slots),
+            )
+        )
 
-def priced(
-    b: StepShape,
-    num_adapters: int,
-    model: ModelSpec,
-    gpu: GpuSpec,
-    params: CostParams,
-    lora_rank: int = 0,
-) -> StepCost:
-    """The cost of a step of that shape (`num_adapters`: distinct LoRA adapters in it)."""
-    tokens = b.tokens
-    q_dim = model.num_heads * model.head_dim
-    attn_flops_per_ctx = 4 * model.num_layers * q_dim
-    kv_tok = model.kv_bytes_per_token
-    kv_read = b.context * kv_tok
-    lora_params = model.num_layers * lora_rank * model.lora_params_per_rank
-    linear_flops = 2.0 * (
-        model.num_layers * model.layer_params * tokens + lora_params * b.lora_tokens
-    )
-    other_flops = (
-        2.0 * model.hidden_size * model.vocab_size * b.sampled + attn_flops_per_ctx * b.attended
-    )
-    flops = linear_flops + other_flops
-    nbytes = model.weight_bytes + kv_read + tokens * kv_tok
-    nbytes += num_adapters * lora_params * model.dtype_bytes
-    tp = model.tp
-    linear_peak = gpu.fp8_flops if model.fp8_gemms and gpu.fp8_flops else gpu.peak_flops
-    compute = (linear_flops / linear_peak + other_flops / gpu.peak_flops) / (
-        params.flops_efficiency * tp
-    )
-    memory = nbytes / (gpu.mem_bw * params.bw_efficiency * tp)
-    comm = 0.0
-    if tp > 1 and gpu.interconnect_bw > 0:
-        # Two ring all-reduces of the activations per layer.
-        per_layer = 2 * tokens * model.hidden_size * model.dtype_bytes * 2 * (tp - 1) / tp
-        comm = model.num_layers * per_layer / gpu.interconnect_bw
-    overhead = (
-        params.step_overhead_s
-        + params.per_seq_overhead_s * b.rows
-        + params.per_token_overhead_s * tokens
-    )
-    return StepCost(overhead + max(compute, memory) + comm, flops, nbytes)
+    def cost(
+        self,
+        rows: int,
+        tokens: int,
+        sampled: int,
+        attended: int,
+        context: int,
+        lora_tokens: int = 0,
+        num_adapters: int = 0,
+    ) -> tuple[float, float, float]:
+        """Seconds, FLOPs and bytes of a step of `rows` requests computing `tokens`, of
+        which `sampled` are sampled; `attended`: the sum over its tokens of the context
+        each attends to; `context`: the sum over its rows of their context after the step;
+        `lora_tokens` of its tokens run one of `num_adapters` adapters."""
+        model, gpu, params, tp = self.model, self.gpu, self.params, self.tp
+        linear_flops = 2.0 * (self.linear_params * tokens + self.lora_params * lora_tokens)
+        other_flops = self.sample_flops * sampled + self.attn_flops_per_ctx * attended
+        flops = linear_flops + other_flops
+        nbytes = self.weight_bytes + context * self.kv_tok + tokens * self.kv_tok
+        nbytes += num_adapters * self.lora_params * model.dtype_bytes
+        compute = (linear_flops / self.linear_peak + other_flops / gpu.peak_flops) / (
+            self.compute_share
+        )
+        memory = nbytes / self.bandwidth
+        comm = 0.0
+        if tp > 1 and gpu.interconnect_bw > 0:
+            # Two ring all-reduces of the activations per layer.
+            per_layer = 2 * tokens * model.hidden_size * model.dtype_bytes * 2 * (tp - 1) / tp
+            comm = model.num_layers * per_layer / gpu.interconnect_bw
+        overhead = (
+            params.step_overhead_s
+            + params.per_seq_overhead_s * rows
+            + params.per_token_overhead_s * tokens
+        )
+        return overhead + max(compute, memory) + comm, flops, nbytes
 
 
 def kv_blocks_for(
@@ -197,6 +206,7 @@ class CostModelRunner:
         self.busy_seconds = 0.0
         self.spec_acceptance = spec_acceptance
         self.lora_rank = lora_rank
+        self.pricer = Pricer(model, gpu, self.params, lora_rank)
         self._acceptance_draws = random.Random(0)
 
     def num_kv_blocks(self) -> int:
@@ -209,7 +219,7 @@ class CostModelRunner:
         return 0  # the simulator preempts by recompute
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        cost = step_cost(scheduler_output, self.model, self.gpu, self.params, self.lora_rank)
+        cost = self.pricer.step(scheduler_output)
         self.clock.advance(cost.seconds)
         self.busy_seconds += cost.seconds
         token = self.sampled_token_id
@@ -225,23 +235,10 @@ class CostModelRunner:
                 sampled[s.request_id] = token
         return ModelRunnerOutput(sampled, spec_token_ids=spec)
 
-    def decode_run(self, rows: list[Request], max_steps: int, until_s: float) -> list[float]:
-        """Price decode-only steps of the running requests `rows` (each one token, as `execute`
-        prices it) one after another, at most `max_steps`, each starting before `until_s`,
-        advancing the clock: the clock at the end of each."""
-        context = sum(r.num_computed_tokens for r in rows)
-        lora_tokens = sum(1 for r in rows if r.lora_slot >= 0)
-        num_adapters = len({r.lora_slot for r in rows if r.lora_slot >= 0})
-        n = len(rows)
-        clock, params, rank = self.clock, self.params, self.lora_rank
-        ends: list[float] = []
-        for _ in range(max_steps):
-            if clock.now() >= until_s:
-                break
-            context += n  # each row attends to its context and its new token
-            shape = StepShape(n, n, n, context, context, lora_tokens)
-            cost = priced(shape, num_adapters, self.model, self.gpu, params, rank).seconds
-            clock.advance(cost)
-            self.busy_seconds += cost
-            ends.append(clock.now())
-        return ends
+    def run_step(self, rows: int, tokens: int, sampled: int, attended: int, context: int) -> float:
+        """Price a step known by its sums alone (engine/core/decode_cohort.py; see
+        Pricer.cost), as `execute` prices it, and move the clock past it; returns the clock."""
+        cost = self.pricer.cost(rows, tokens, sampled, attended, context)[0]
+        self.clock.advance(cost)
+        self.busy_seconds += cost
+        return self.clock.now()

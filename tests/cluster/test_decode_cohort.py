@@ -48,10 +48,10 @@ SINGLE = {
 @pytest.mark.parametrize("name", list(SINGLE))
 def test_one_replica_equal_to_stepping(name):
     config, trace = SINGLE[name]
-    stepped, strided = both(lambda s: Simulator(replace(config, decode_stride=s)).run(trace))
-    assert stepped.num_strided_steps == 0 and strided.num_strided_steps > 0
+    stepped, strided = both(lambda s: Simulator(replace(config, decode_cohort=s)).run(trace))
+    assert stepped.num_cohort_steps == 0 and strided.num_cohort_steps > 0
     assert outcome(strided) == outcome(stepped)
-    assert strided.summary() | {"strided_steps": 0} == stepped.summary()
+    assert strided.summary() | {"cohort_steps": 0} == stepped.summary()
     assert strided.kv_usage_series == stepped.kv_usage_series
     assert strided.free_blocks_at_end == stepped.free_blocks_at_end == strided.num_kv_blocks
     if name == "preempting":
@@ -61,7 +61,7 @@ def test_one_replica_equal_to_stepping(name):
 def test_time_limit_cuts_a_run_where_stepping_stops():
     trace = make_workload(400, 4.0, seed=6)
     stepped, strided = both(
-        lambda s: Simulator(replace(BASE, decode_stride=s)).run(trace, max_sim_s=40.0)
+        lambda s: Simulator(replace(BASE, decode_cohort=s)).run(trace, max_sim_s=40.0)
     )
     assert outcome(strided) == outcome(stepped)
     assert strided.duration_s == stepped.duration_s
@@ -75,7 +75,7 @@ def test_autoscaled_cluster_equal_to_stepping(policy):
 
     def run(stride: bool):
         config = ClusterSimConfig(
-            replace(BASE, policy=policy, decode_stride=stride),
+            replace(BASE, policy=policy, decode_cohort=stride),
             AutoscaleConfig(1, 4),
             startup_delay_s=20,
             controller_interval_s=interval,

@@ -1,0 +1,55 @@
+"""The admission half of a scheduler step (pure Python)."""
+
+from __future__ import annotations
+
+from bisect import insort
+from typing import TYPE_CHECKING
+
+from engine.core.outputs import ScheduledRequest
+from engine.core.request import Request, RequestStatus
+from engine.core.request_order import aging_order
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import Scheduler
+
+
+def admit_waiting(
+    s: Scheduler, budget: int, allowed: bool = True
+) -> tuple[list[ScheduledRequest], list[tuple[int, int]], int]:
+    """After the running requests took their tokens: waiting requests in order while
+    `budget`, `max_num_seqs` and free blocks allow (none unless `allowed`). Returns their
+    rows, the swap-in copies to make, and the budget left."""
+    swap_in: list[tuple[int, int]] = []
+    scheduled: list[ScheduledRequest] = []
+    kv = s.kv_cache
+    if s.config.batching == "static" and not s.running:
+        s._static_admitted = 0
+    if s.config.scheduling_policy != "fcfs" and len(s.waiting) > 1 and budget > 0:
+        oldest = s.clock.now() - s.config.aging_s
+        s.waiting = aging_order(s.waiting, s._key, oldest)
+    loras = s.loras
+    no_slot: list[Request] = []  # their adapters wait for a slot; the rest go ahead
+    while allowed and s.waiting and budget > 0 and s._may_admit():
+        request = s.waiting[0]
+        if loras is not None and not loras.can_acquire(request.lora):
+            no_slot.append(s.waiting.popleft())
+            continue
+        admitted = kv.admit_waiting(request, budget, request.status == RequestStatus.SWAPPED)
+        if admitted is None:
+            break
+        n, copies = admitted
+        swap_in += copies
+        s.waiting.popleft()
+        if loras is not None:
+            request.lora_slot = loras.acquire(request.lora)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = s.clock.now()
+        if request.num_preemptions:
+            request.resumed_at_step = s.num_steps_total
+        insort(s.running, request, key=s._key)
+        s._static_admitted += 1
+        scheduled.append(ScheduledRequest.of(request, n, kv.block_ids(request.request_id)))
+        budget -= n
+    s.waiting.extendleft(reversed(no_slot))
+    return scheduled, swap_in, budget
