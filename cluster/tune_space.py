@@ -40,6 +40,7 @@ class Setting:
     replicas: int = 1
     min_replicas: int = 1
     max_replicas: int = 8
+    initial_replicas: int = 0  # at the start (0: min_replicas)
     target_waiting: float = 4.0
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
@@ -56,6 +57,10 @@ class Setting:
                 self.rule()
             except ValueError as exc:
                 raise ValueError(f"autoscaling: {exc}") from None
+            if self.initial_replicas and not (
+                self.min_replicas <= self.initial_replicas <= self.max_replicas
+            ):
+                raise ValueError("initial_replicas: within min_replicas and max_replicas")
 
     def rule(self) -> AutoscaleConfig:
         return AutoscaleConfig(
@@ -86,7 +91,7 @@ class Setting:
         return ClusterSimConfig(
             replica,
             self.rule() if self.autoscale else None,
-            self.min_replicas if self.autoscale else self.replicas,
+            (self.initial_replicas or self.min_replicas) if self.autoscale else self.replicas,
             startup_delay_s=self.startup_delay_s,
             controller_interval_s=None if self.policy == "static" else REPORT_INTERVAL_S,
         )
@@ -115,6 +120,8 @@ class Setting:
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
             }
+            if self.initial_replicas:
+                args["autoscaling"]["initial_replicas"] = self.initial_replicas
         else:
             args["engine_replicas"] = {"num_replicas": self.replicas}
         return args

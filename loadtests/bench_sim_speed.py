@@ -1,5 +1,5 @@
 """How fast the simulator runs (`bench_sim speed`): simulated replica-hours per minute of wall
-time, with decode runs applied at once (SimConfig.decode_cohort) and, as the baseline in the
+time, with the decode cohort (SimConfig.decode_cohort) and, as the baseline in the
 same run, stepping every step; the two must agree on every request's finish time.
 
 Two workloads: one replica at a steady Poisson rate (`--hours`, `--rate`), and the
@@ -58,7 +58,7 @@ def single_replica(hours: float, rate: float, reference: bool) -> dict[str, Any]
         "requests": n,
         "simulated_s": fast.duration_s,
         "output_tok_s": fast.summary()["output_tok_s"],
-        "strided": _figures(fast, wall, fast.duration_s / 3600.0),
+        "cohort": _figures(fast, wall, fast.duration_s / 3600.0),
     }
     if reference:
         slow, wall = _timed(lambda: Simulator(replace(config, decode_cohort=False)).run(trace))
@@ -75,8 +75,8 @@ def autoscaled_fleet(duration_s: float, reference: bool) -> dict[str, Any]:
     trace = make_diurnal_workload(duration_s, 0.3 * cap, 2.5 * cap, duration_s, bursts, seed=0)
     rule = AutoscaleConfig(1, 6, target_waiting=4, upscale_delay_s=10, downscale_delay_s=60)
 
-    def run(stride: bool):
-        config = ClusterSimConfig(replace(replica, decode_cohort=stride), rule, 1, 60.0)
+    def run(cohort: bool):
+        config = ClusterSimConfig(replace(replica, decode_cohort=cohort), rule, 1, 60.0)
         return ClusterSimulator(config).run(trace)
 
     fast, wall = _timed(lambda: run(True))
@@ -85,7 +85,7 @@ def autoscaled_fleet(duration_s: float, reference: bool) -> dict[str, Any]:
         "workload": f"autoscaling study: diurnal {len(trace)} requests over {duration_s:g} s, "
         "rule: default",
         "requests": len(trace),
-        "strided": _figures(fast, wall, hours),
+        "cohort": _figures(fast, wall, hours),
     }
     if reference:
         slow, wall = _timed(lambda: run(False))
@@ -98,8 +98,8 @@ def run_speed(hours: float, rate: float, reference: bool = True) -> dict[str, An
     runs = [single_replica(hours, rate, reference), autoscaled_fleet(1800.0 * hours, reference)]
     for r in runs:
         if reference:
-            r["speedup"] = r["stepping"]["wall_s"] / r["strided"]["wall_s"]
-    first = runs[0]["strided"]
+            r["speedup"] = r["stepping"]["wall_s"] / r["cohort"]["wall_s"]
+    first = runs[0]["cohort"]
     return {
         "replica_hours_per_minute": first["replica_hours_per_minute"],
         "wall_s": first["wall_s"],
@@ -110,7 +110,7 @@ def run_speed(hours: float, rate: float, reference: bool = True) -> dict[str, An
 def describe(result: dict[str, Any]) -> str:
     lines = []
     for r in result["workloads"]:
-        fast = r["strided"]
+        fast = r["cohort"]
         line = (
             f"{r['workload']}: {fast['replica_hours']:.2f} replica-hours in {fast['wall_s']:.1f} s "
             f"= {fast['replica_hours_per_minute']:.2f} replica-hours/min"

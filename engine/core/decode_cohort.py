@@ -200,5 +200,5 @@ class DecodeCohort:
             if status is None:
                 raise AssertionError(f"{r.request_id}: did not end at its last step")
             s._end(r, status)
-        s.running = [r for r in s.running if r.status is RequestStatus.RUNNING]
+            s.running.remove(r)  # the order of the rest stays (the scheduler's policy order)
         return list(ending)

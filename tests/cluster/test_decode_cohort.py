@@ -1,4 +1,4 @@
-"""Runs of decode steps applied at once equal stepping: the same finish and first-token times,
+"""The decode cohort equals stepping: the same finish and first-token times,
 steps, preemptions, KV series and free blocks, on seeded scenarios of one replica and of
 an autoscaled, controlled cluster."""
 
@@ -22,7 +22,7 @@ def outcome(result) -> dict:
 
 
 def both(run):
-    """The run stepping every step, and with strides."""
+    """The run stepping every step, and with the decode cohort."""
     return run(False), run(True)
 
 
@@ -48,23 +48,23 @@ SINGLE = {
 @pytest.mark.parametrize("name", list(SINGLE))
 def test_one_replica_equal_to_stepping(name):
     config, trace = SINGLE[name]
-    stepped, strided = both(lambda s: Simulator(replace(config, decode_cohort=s)).run(trace))
-    assert stepped.num_cohort_steps == 0 and strided.num_cohort_steps > 0
-    assert outcome(strided) == outcome(stepped)
-    assert strided.summary() | {"cohort_steps": 0} == stepped.summary()
-    assert strided.kv_usage_series == stepped.kv_usage_series
-    assert strided.free_blocks_at_end == stepped.free_blocks_at_end == strided.num_kv_blocks
+    stepped, fast = both(lambda s: Simulator(replace(config, decode_cohort=s)).run(trace))
+    assert stepped.num_cohort_steps == 0 and fast.num_cohort_steps > 0
+    assert outcome(fast) == outcome(stepped)
+    assert fast.summary() | {"cohort_steps": 0} == stepped.summary()
+    assert fast.kv_usage_series == stepped.kv_usage_series
+    assert fast.free_blocks_at_end == stepped.free_blocks_at_end == fast.num_kv_blocks
     if name == "preempting":
         assert stepped.num_preemptions > 0
 
 
 def test_time_limit_cuts_a_run_where_stepping_stops():
     trace = make_workload(400, 4.0, seed=6)
-    stepped, strided = both(
+    stepped, fast = both(
         lambda s: Simulator(replace(BASE, decode_cohort=s)).run(trace, max_sim_s=40.0)
     )
-    assert outcome(strided) == outcome(stepped)
-    assert strided.duration_s == stepped.duration_s
+    assert outcome(fast) == outcome(stepped)
+    assert fast.duration_s == stepped.duration_s
 
 
 @pytest.mark.parametrize("policy", ["static", "combined"])
@@ -73,17 +73,17 @@ def test_autoscaled_cluster_equal_to_stepping(policy):
     trace = make_diurnal_workload(300, 1.0, 24.0, 300, seed=2)
     interval = None if policy == "static" else 1.0
 
-    def run(stride: bool):
+    def run(cohort: bool):
         config = ClusterSimConfig(
-            replace(BASE, policy=policy, decode_cohort=stride),
+            replace(BASE, policy=policy, decode_cohort=cohort),
             AutoscaleConfig(1, 4),
             startup_delay_s=20,
             controller_interval_s=interval,
         )
         return ClusterSimulator(config).run(trace)
 
-    stepped, strided = both(run)
-    assert outcome(strided) == outcome(stepped)
-    assert strided.replica_series == stepped.replica_series
-    assert strided.scale_events == stepped.scale_events and stepped.scale_events
-    assert strided.summary() == stepped.summary()
+    stepped, fast = both(run)
+    assert outcome(fast) == outcome(stepped)
+    assert fast.replica_series == stepped.replica_series
+    assert fast.scale_events == stepped.scale_events and stepped.scale_events
+    assert fast.summary() == stepped.summary()
