@@ -150,13 +150,13 @@ class ClusterSimulator:
                 series.append((now, serving, starting, draining))
 
         record_series(0.0)
-        while pending or any(m.replica.busy for m in members):
+        live = list(members)  # not stopped (a stopped replica is never busy), in spawn order
+        while True:
+            busy = [m for m in live if m.replica.busy]
+            if not pending and not busy:
+                break
             t_arrival = pending[0].arrival_s if pending else math.inf
-            stepper = min(
-                (m for m in members if m.replica.busy),
-                key=lambda m: m.replica.clock.now(),
-                default=None,
-            )
+            stepper = min(busy, key=lambda m: m.replica.clock.now(), default=None)
             t_step = stepper.replica.clock.now() if stepper is not None else math.inf
             t_tick = next_tick if rule is not None else math.inf
             t_control = next_control if control is not None else math.inf
@@ -165,7 +165,7 @@ class ClusterSimulator:
                 break
             if t_arrival <= min(t_tick, t_step, t_control):
                 req = pending.popleft()
-                candidates = [m for m in members if m.ready(t) and not m.draining]
+                candidates = [m for m in live if m.ready(t) and not m.draining]
                 target = min(
                     candidates,
                     key=lambda m: weighted_load(m.replica.num_requests, m.routing_weight),
@@ -179,6 +179,7 @@ class ClusterSimulator:
                 assert rule is not None
                 next_tick += c.decision_interval_s
                 self._decide(rule, members, t, events, spawn)
+                live = [m for m in members if m.stopped_s is None]
                 record_series(t)
             else:
                 assert stepper is not None
@@ -187,6 +188,7 @@ class ClusterSimulator:
                 stepper.replica.advance(until)
                 if stepper.draining and not stepper.replica.busy:
                     stepper.stopped_s = stepper.replica.clock.now()
+                    live.remove(stepper)
                     record_series(stepper.stopped_s)
         end = t if math.isfinite(t) else 0.0
         end = max([end] + [m.replica.clock.now() for m in members if m.stopped_s is None])

@@ -40,18 +40,36 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> the block holding it
+        # Free blocks promised to no block in particular (`hold`): in use by every count.
+        self.held = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) - self.held
 
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - (len(self._free) - self.held) / self.num_blocks
 
-    def take(self, n: int) -> list[KVCacheBlock] | None:
-        """Take `n` free blocks (ref count 1 each), or None, taking nothing, if too few are free."""
-        if n > len(self._free):
+    def hold(self, n: int) -> bool:
+        """Count `n` free blocks as used without choosing them (the simulator's decode
+        cohort: blocks whose ids nothing reads yet); False, holding none, if too few are
+        free. `take(n, held=True)` turns held blocks into blocks, `unhold` gives them back."""
+        if n > len(self._free) - self.held:
+            return False
+        self.held += n
+        return True
+
+    def unhold(self, n: int) -> None:
+        assert 0 <= n <= self.held, (n, self.held)
+        self.held -= n
+
+    def take(self, n: int, held: bool = False) -> list[KVCacheBlock] | None:
+        """Take `n` free blocks (ref count 1 each), or None, taking nothing, if too few are
+        free; `held`: blocks held before."""
+        if held:
+            self.unhold(n)
+        elif n > len(self._free) - self.held:
             return None
         taken = []
         for _ in range(n):

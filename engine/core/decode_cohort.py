@@ -7,9 +7,11 @@ known in advance: max_tokens or max_model_len) and moves them by one shared step
 instead of one by one. A member's counters are brought up to date only when it takes a
 block (at the step the scheduler would allocate it), ends (at its known step), or the
 cohort is left. The decisions stay the scheduler's: admission is its own code
-(admission.py) against its KV manager, blocks come from that KV manager at the same steps,
-ends go through `Scheduler._end`, admitted rows through `update_from_output`, and every
-step is counted in its step statistics as `schedule` and the engine would count it.
+(admission.py) against its KV manager, whose pool counts each member's new block at the
+step the scheduler would take it (BlockPool.hold; which block it is gets chosen when the
+member leaves, as nothing in a simulation reads block ids), ends go through
+`Scheduler._end`, admitted rows through `update_from_output`, and every step is counted in
+its step statistics as `schedule` and the engine would count it.
 
 A step the cohort cannot take as the scheduler would (too few free blocks: a preemption;
 a partial prefill left in the batch) makes the caller leave it (`leave`, which brings
@@ -49,6 +51,7 @@ class DecodeCohort:
         self.allocs: dict[int, list[Request]] = {}  # step_no -> members taking a block in it
         self.ends: dict[int, list[Request]] = {}  # step_no -> members it ends
         self.context = 0  # the members' num_computed_tokens, summed as of step_no
+        self.held: dict[str, int] = {}  # member -> blocks the pool holds for it (BlockPool.hold)
 
     @staticmethod
     def fits(s: Scheduler, policy: object) -> bool:
@@ -74,10 +77,15 @@ class DecodeCohort:
 
     def leave(self) -> None:
         """Bring every member up to date and let them go (the scheduler steps next)."""
+        kv = self.s.kv_cache
         for r in self.s.running:
             if r.request_id in self.synced:
                 self._sync(r)
+                n = self.held[r.request_id]
+                if n:
+                    kv.append_held(r, n)
         self.synced.clear()
+        self.held.clear()
         self.allocs.clear()
         self.ends.clear()
         self.context = 0
@@ -95,6 +103,7 @@ class DecodeCohort:
         s, kv, clock = self.s, self.s.kv_cache, self.clock
         bs, max_len, token = kv.block_size, s.config.max_model_len, self.token
         running = RequestStatus.RUNNING
+        pool, held = kv.pool, self.held
         taken = 0
         while clock.now() < until_s:
             j, members = self.step_no, len(s.running)
@@ -104,8 +113,11 @@ class DecodeCohort:
             crossing = self.allocs.get(j)
             if crossing:  # members whose next token starts a block (ended ones left out)
                 crossing = [r for r in crossing if r.status is running]
-                if not kv.append_blocks(crossing):
+                # Counted now, as the scheduler takes them; chosen when the member leaves.
+                if not pool.hold(len(crossing)):
                     return taken, True  # the scheduler would preempt
+                for r in crossing:
+                    held[r.request_id] += 1
                 del self.allocs[j]
                 later = self.allocs.get(j + bs)
                 if later is None:
@@ -168,6 +180,7 @@ class DecodeCohort:
     def _join(self, r: Request) -> None:
         j, kv = self.step_no, self.s.kv_cache
         self.synced[r.request_id] = j
+        self.held[r.request_id] = 0
         self.context += r.num_computed_tokens
         room = len(kv.block_tables.get(r.request_id, ())) * kv.block_size
         self.allocs.setdefault(j + room - r.num_computed_tokens, []).append(r)
@@ -195,6 +208,7 @@ class DecodeCohort:
         for r in ending:
             self._sync(r)
             del self.synced[r.request_id]
+            s.kv_cache.pool.unhold(self.held.pop(r.request_id))
             self.context -= r.num_computed_tokens
             status = r.stop_status(self.token, max_len)
             if status is None:

@@ -87,17 +87,12 @@ class KVCacheManager:
         self._block_ids[rid].extend(new_ids)
         return new_ids
 
-    def append_blocks(self, requests: list[Request]) -> bool:
-        """One more block at the end of each request's table (requests whose next token
-        starts a block), taken at once; False (nothing changed) if too few are free."""
-        new_blocks = self.pool.take(len(requests))
-        if new_blocks is None:
-            return False
-        blocks, ids = self._blocks, self._block_ids
-        for request, block in zip(requests, new_blocks, strict=True):
-            blocks[request.request_id].append(block)
-            ids[request.request_id].append(block.block_id)
-        return True
+    def append_held(self, request: Request, n: int) -> None:
+        """`n` blocks held in the pool (BlockPool.hold) appended to the request's table."""
+        new_blocks = self.pool.take(n, held=True)
+        assert new_blocks is not None
+        self._blocks[request.request_id].extend(new_blocks)
+        self._block_ids[request.request_id].extend(b.block_id for b in new_blocks)
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past those the request's tokens need (the lookahead slots
