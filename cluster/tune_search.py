@@ -115,7 +115,8 @@ def search(
     done: list[dict[str, Any]] = []
     seen: set[tuple[int, ...]] = set()
     point_of: dict[str, tuple[int, ...]] = {}
-    first = space.sample(max(1, min(trials, round(trials * 0.6))), rng)
+    # The whole grid when the budget covers it, else six tenths of the budget at random.
+    first = space.sample(space.size if trials >= space.size else max(1, round(trials * 0.6)), rng)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text("")
     context = multiprocessing.get_context("spawn")

@@ -25,6 +25,7 @@ POLICIES = ("static", "memory_aware", "sla", "combined")
 REPORT_INTERVAL_S = 0.5  # controller.report_interval_s's default
 BATCH_SIZE_UPPER = 256  # batching.batch_size_upper's default
 SLA_EPS_MS = 5.0  # batching.sla_eps_ms's default
+ENGINE_DEFAULTS = SchedulerConfig()  # the engine's knobs as deploy.yaml's engine: has them
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class Setting:
     """One deployment's knobs. `autoscale` False: a fixed fleet of `replicas`."""
 
     policy: str = "static"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens
     eta: float = 0.95
     sla_target_ms: float = 50.0
     autoscale: bool = True

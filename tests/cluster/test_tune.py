@@ -85,6 +85,7 @@ def test_reachable_slo_cheapest_setting_meets_it_and_deploys(tmp_path):
 def test_impossible_slo_reports_none_and_what_binds(tmp_path):
     target = Target(Slo(ttft_s=0.001, itl_s=0.1), attainment=0.9)
     trials, _ = search(problem(target.slo), Space.of(SPACE), 4, tmp_path / "t.jsonl", 1)
+    assert len(trials) == 4  # a budget of the grid's size covers all of it
     assert cheapest(trials, target) is None
     why = binding(trials, target)
     assert why[0].startswith("TTFT <= 0.001 s: at best 0.0%")
