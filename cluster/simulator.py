@@ -1,8 +1,10 @@
 """The simulator: the real Scheduler and KV manager, a CostModelRunner, a VirtualClock.
 
 Nothing of the scheduler is re-implemented here: requests go through `Scheduler.add_request`
-and every step through `EngineCore.step` (policy -> schedule -> execute -> update), exactly
-as in the engine. Only the runner is priced instead of run.
+and each step through `EngineCore.step` (policy -> schedule -> execute -> update), exactly as
+in the engine, or, where most of the batch only decodes, through the decode cohort
+(engine/core/decode_cohort.py: the scheduler's own admission and ends, equal results). Only
+the runner is priced instead of run.
 """
 
 from __future__ import annotations
