@@ -30,7 +30,7 @@ from typing import Any
 
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace
-from cluster.tune_report import PERCENTILES, Target, write
+from cluster.tune_report import PERCENTILES, Target, cheapest, write
 from cluster.tune_search import Problem, search
 from cluster.tune_space import DEFAULT_SPACE, Setting, Space, parse_knob
 from cluster.workload import NAMED_WORKLOADS, named_workload
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         knobs = dict(DEFAULT_SPACE)
         knobs.update(parse_knob(text) for text in opts.set)
         space = Space.of(knobs)
-        for p in space.points()[:1] + space.points()[-1:]:
+        points = space.points()
+        for p in (points[0], points[-1]):
             space.setting(p).check()
         model, gpu, cost, replica_name = replica_spec(opts)
         if opts.trace:
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not trials:
         print("no trial finished", file=sys.stderr)
         return {"trials": 0}
-    chosen = min(trials, key=lambda t: (not target.met(t), t["replica_hours"]))
+    # The setting report.md chooses (else the cheapest tried) is the one drawn over time.
+    chosen = cheapest(trials, target) or min(trials, key=lambda t: t["replica_hours"])
     series = problem.simulate(Setting(**chosen["setting"])).replica_series
     arrivals = [r.arrival_s for r in trace]
     searched = [k for k, v in space.values.items() if len(v) > 1]

@@ -16,13 +16,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from cluster.cluster_sim import ClusterSimulator
 from cluster.request_records import Slo
-from cluster.tune_space import Setting, Space, setting_dict
+from cluster.tune_space import Setting, Space
 from cluster.workload import SimRequest
 from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec
 
@@ -67,7 +67,7 @@ class Problem:
         started = time.perf_counter()
         summary = self.simulate(setting).summary()
         out = {k: summary[k] for k in KEPT}
-        return {"setting": setting_dict(setting), **out, "wall_s": time.perf_counter() - started}
+        return {"setting": asdict(setting), **out, "wall_s": time.perf_counter() - started}
 
 
 _problem: Problem | None = None  # a worker process's copy, sent once
@@ -131,9 +131,7 @@ def search(
                 batch = batch[: trials - len(seen)]
             seen.update(batch)
             settings = [space.setting(p) for p in batch]
-            point_of.update(
-                (_key(setting_dict(st)), p) for st, p in zip(settings, batch, strict=True)
-            )
+            point_of.update((_key(asdict(st)), p) for st, p in zip(settings, batch, strict=True))
             outcomes = (
                 pool.imap_unordered(_run_trial, settings)
                 if pool is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from cluster.autoscale import AutoscaleConfig
@@ -201,7 +201,3 @@ class Space:
                 if 0 <= i < size:
                     out.append(point[:axis] + (i,) + point[axis + 1 :])
         return out
-
-
-def setting_dict(setting: Setting) -> dict[str, Any]:
-    return asdict(setting)

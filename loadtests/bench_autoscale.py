@@ -19,7 +19,7 @@ from cluster.autoscale import AutoscaleConfig
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
 from cluster.request_records import Slo
 from cluster.simulator import SimConfig, capacity
-from cluster.workload import Burst, diurnal_rate, make_diurnal_workload, make_workload
+from cluster.workload import Burst, SimRequest, diurnal_rate, make_diurnal_workload, make_workload
 from engine.runner.cost_model import GPUS, MODELS
 from loadtests.plotting import pyplot
 
@@ -45,6 +45,21 @@ SETTINGS: list[tuple[str, AutoscaleConfig | None, int]] = [
 ]
 
 
+def study_replica(model: str = "Llama-2-7B", gpu: str = "A100-80GB") -> SimConfig:
+    return SimConfig(MODELS[model], GPUS[gpu], slo=Slo(2.0, 0.1)).with_scheduler(max_num_seqs=128)
+
+
+def study_trace(
+    capacity_rps: float, duration_s: float, seed: int = 0
+) -> tuple[list[SimRequest], tuple[Burst, ...]]:
+    """The diurnal trace in units of one replica's capacity: 0.3x at the trough, 2.5x at the
+    peak, a burst of +2x for a thirtieth of it a third of the way in."""
+    cap = capacity_rps
+    bursts = (Burst(start_s=duration_s / 3, duration_s=duration_s / 30, rate=2.0 * cap),)
+    trace = make_diurnal_workload(duration_s, 0.3 * cap, 2.5 * cap, duration_s, bursts, seed=seed)
+    return trace, bursts
+
+
 def run_autoscale(
     duration_s: float = 1800.0,
     startup_delay_s: float = 60.0,
@@ -54,17 +69,14 @@ def run_autoscale(
     quick: bool = False,
 ) -> dict[str, Any]:
     """`quick`: a coarser capacity search (smoke runs)."""
-    replica = SimConfig(MODELS[model], GPUS[gpu], slo=Slo(2.0, 0.1)).with_scheduler(
-        max_num_seqs=128
-    )
+    replica = study_replica(model, gpu)
     started = time.perf_counter()
     seconds, iters = (20, 1) if quick else (120, 4)
     cap = capacity(
         replica, lambda r: make_workload(int(r * seconds), rate=r, seed=1), 2.0, iters=iters
     )
     base, peak = 0.3 * cap, 2.5 * cap
-    bursts = (Burst(start_s=duration_s / 3, duration_s=duration_s / 30, rate=2.0 * cap),)
-    trace = make_diurnal_workload(duration_s, base, peak, duration_s, bursts, seed=seed)
+    trace, bursts = study_trace(cap, duration_s, seed)
     rows, series = [], {}
     for name, rule, initial in SETTINGS:
         config = ClusterSimConfig(replica, rule, initial, startup_delay_s=startup_delay_s)

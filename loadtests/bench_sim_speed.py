@@ -13,12 +13,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from cluster.autoscale import AutoscaleConfig
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
-from cluster.request_records import Slo
 from cluster.simulator import SimConfig, Simulator
-from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, Burst, make_diurnal_workload, make_workload
+from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.runner.cost_model import GPUS, MODELS
+from loadtests.bench_autoscale import SETTINGS, study_replica, study_trace
 
 # One replica's capacity in the autoscaling study (A100-80GB, Llama-2-7B, max_num_seqs 128,
 # >= 90% within TTFT 2 s and ITL 100 ms), as `bench_sim autoscale` measures it.
@@ -68,12 +67,9 @@ def single_replica(hours: float, rate: float, reference: bool) -> dict[str, Any]
 
 
 def autoscaled_fleet(duration_s: float, reference: bool) -> dict[str, Any]:
-    cap = AUTOSCALE_CAPACITY_RPS
-    replica = SimConfig(MODELS["Llama-2-7B"], GPUS["A100-80GB"], slo=Slo(2.0, 0.1))
-    replica = replica.with_scheduler(max_num_seqs=128)
-    bursts = (Burst(duration_s / 3, duration_s / 30, 2.0 * cap),)
-    trace = make_diurnal_workload(duration_s, 0.3 * cap, 2.5 * cap, duration_s, bursts, seed=0)
-    rule = AutoscaleConfig(1, 6, target_waiting=4, upscale_delay_s=10, downscale_delay_s=60)
+    replica = study_replica()
+    trace, _ = study_trace(AUTOSCALE_CAPACITY_RPS, duration_s)
+    rule = next(rule for name, rule, _ in SETTINGS if name == "rule: default")
 
     def run(cohort: bool):
         config = ClusterSimConfig(replace(replica, decode_cohort=cohort), rule, 1, 60.0)
