@@ -65,6 +65,7 @@ def schedule_continuation(
                 num_output,
                 banned,
                 seen,
+                lora_slot=request.lora_slot,
             )
         )
     if not rows:

@@ -22,9 +22,44 @@ from engine.core.outputs import ScheduledRequest
 from engine.runner.decode_inputs import DecodeInputs, capture_sizes, decode_forward
 
 if TYPE_CHECKING:
+    from engine.core.config import EngineConfig
     from engine.runner.torch_runner import TorchModelRunner
 
 logger = logging.getLogger(__name__)
+
+# One capture stream per device for the process: each stream that runs a GEMM keeps a cuBLAS
+# workspace of its own for good.
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def graph_query_rows(runner: TorchModelRunner, config: EngineConfig) -> list[int]:
+    """The query tokens per row of each set of decode graphs `runner` captures (1: plain
+    decodes; k + 1: speculative rows); none where steps run eagerly."""
+    graphable = runner.backend.supports_graphs and config.tensor_parallel_size == 1
+    if runner.device.type != "cuda" or not graphable or config.enforce_eager:
+        return []
+    spec = config.speculative
+    return [1, spec.num_speculative_tokens + 1] if spec.enabled else [1]
+
+
+def measure_graph_bytes(
+    runner: TorchModelRunner, max_num_seqs: int, max_model_len: int, query_rows: list[int]
+) -> int:
+    """Device bytes the decode graphs hold once captured (their pool, buffers and the capture
+    stream's workspace): captured over a one-block cache before the real one exists, then
+    freed. The KV cache's budget leaves them room."""
+    device = runner.device
+    spec = runner.spec
+    shape = (1, runner.block_size, spec.num_kv_heads, spec.head_dim)
+    block = torch.zeros(shape, dtype=runner.kv_dtype, device=device)
+    runner.kv_caches, runner.scratch_block = [(block, block)] * spec.num_layers, 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    graphs = [DecodeGraphs(runner, max_num_seqs, max_model_len, q) for q in query_rows]
+    held = torch.cuda.memory_allocated(device) - before
+    del graphs, runner.kv_caches, runner.scratch_block, block
+    torch.cuda.empty_cache()
+    return max(held, 0)
 
 
 class DecodeGraphs:
@@ -52,17 +87,17 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        stream = _capture_streams.setdefault(device, torch.cuda.Stream(device))
         # Largest first: the smaller graphs then fit in the memory the first one reserved.
         for size in reversed(self.sizes):
             self.inputs.fill([], size, runner.block_size, runner.scratch_block)
             rows = self.inputs.rows(size)
-            stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):  # warm-up: lazy init and autotuning off-graph
                 self._forward(rows)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._outputs[size] = self._forward(rows)
             self._graphs[size] = graph
         torch.cuda.synchronize(device)
@@ -97,13 +132,12 @@ class DecodeGraphs:
             return runner.model.logits(hidden[torch.tensor(positions, device=hidden.device)])
         return runner.model.logits(hidden[: len(order) * q : q])
 
-    def replay_padding(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The final hidden states of a step of padding rows (position 0, K/V to the scratch
-        block) with these input ids, by replaying the graph of exactly their count; the
-        buffers keep the step for an eager run to compare with (the GPU self-check)."""
-        size = len(input_ids)
-        self.inputs.fill([], size, self.runner.block_size, self.runner.scratch_block)
-        self.inputs.input_ids[:size].copy_(input_ids)
+    def replay_hidden(self, order: list[ScheduledRequest]) -> torch.Tensor:
+        """The final hidden states of a decode step of `order`, by replaying the graph of
+        exactly their count; the buffers keep the step for an eager run to compare with (the
+        GPU self-check)."""
+        size = len(order)
+        self.inputs.fill(order, size, self.runner.block_size, self.runner.scratch_block)
         self._graphs[size].replay()
         return self._outputs[size].clone()
 

@@ -22,6 +22,7 @@ import torch
 
 from engine.attention.base import FP8_KV, BatchLayout
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
 from engine.quant.linear import (
     FAST_KERNELS,
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 # GEMMs also quantize activations per token.
 _TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 _FP8_GEMM_TOLERANCE = 0.1
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -256,11 +258,19 @@ def _draw(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _graph(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step replayed, then run eagerly. Row i decodes at position i of the scratch
+    block: each row writes its own slot and reads only slots written in this step (padding
+    rows, which all write one slot, would race)."""
     graphs = runner.graphs
     assert graphs is not None
-    size = graphs.sizes[min(1, len(graphs.sizes) - 1)]
-    ids = torch.randint(0, runner.spec.vocab_size, (size,), generator=torch.Generator())
-    replayed = graphs.replay_padding(ids.to(runner.device))
+    size = max(s for s in graphs.sizes if s <= runner.block_size)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, runner.spec.vocab_size, (size,), generator=gen).tolist()
+    order = [
+        ScheduledRequest(f"self-check-{i}", [t], i, [runner.scratch_block], True, _GREEDY, 0)
+        for i, t in enumerate(ids)
+    ]
+    replayed = graphs.replay_hidden(order)
     eager = decode_forward(
         runner.model, runner.backend, graphs.inputs.rows(size), runner.kv_caches,
         runner.spec.sliding_window,

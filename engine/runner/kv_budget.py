@@ -12,6 +12,7 @@ import torch
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
+from engine.runner.decode_graphs import measure_graph_bytes
 
 if TYPE_CHECKING:
     from engine.runner.torch_runner import TorchModelRunner
@@ -24,12 +25,17 @@ _GIB = float(1 << 30)
 
 
 def num_cache_blocks(
-    runner: TorchModelRunner, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int
+    runner: TorchModelRunner,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    max_model_len: int,
+    graph_rows: list[int],
 ) -> int:
-    """The KV blocks of `runner`'s rank: cache.num_blocks, else as many as its budget holds."""
+    """The KV blocks of `runner`'s rank: cache.num_blocks, else as many as its budget holds.
+    `graph_rows`: the decode graphs it will capture (engine/runner/decode_graphs.py)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    budget = kv_cache_budget(runner, cache, scheduler, max_model_len)
+    budget = kv_cache_budget(runner, cache, scheduler, max_model_len, graph_rows)
     num_blocks = budget // runner.bytes_per_block()
     if num_blocks < 1:
         raise ValueError(
@@ -40,7 +46,11 @@ def num_cache_blocks(
 
 
 def kv_cache_budget(
-    runner: TorchModelRunner, cache: CacheConfig, scheduler: SchedulerConfig, max_model_len: int
+    runner: TorchModelRunner,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    max_model_len: int,
+    graph_rows: list[int],
 ) -> int:
     # A replica's byte budget is shared by its tensor-parallel ranks (a GPU's by its one rank).
     ranks = runner.tp.shard.world_size if runner.tp is not None else 1
@@ -51,17 +61,21 @@ def kv_cache_budget(
     device = runner.device
     weights = torch.cuda.memory_allocated(device)
     peak = profile_step_bytes(runner, scheduler, max_model_len)
+    graphs = 0
+    if graph_rows:
+        graphs = measure_graph_bytes(runner, scheduler.max_num_seqs, max_model_len, graph_rows)
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * cache.gpu_memory_fraction) - weights - peak
+    budget = int(total * cache.gpu_memory_fraction) - weights - peak - graphs
     logger.info(
         "KV cache budget %.2f GiB = %.2f x %.2f GiB - weights %.2f GiB - peak activations "
-        "%.2f GiB (one profiled step of %d tokens)",
+        "%.2f GiB (one profiled step of %d tokens) - decode graphs %.2f GiB",
         budget / _GIB,
         cache.gpu_memory_fraction,
         total / _GIB,
         weights / _GIB,
         peak / _GIB,
         scheduler.max_num_batched_tokens,
+        graphs / _GIB,
     )
     # Other processes on the GPU may hold what the fraction counts on.
     return max(min(budget, free), 0)

@@ -29,7 +29,7 @@ from engine.model.weight_loader import load_decoder
 from engine.quant.kv_scales import measure_missing_kv_scales
 from engine.quant.linear import use_kernels
 from engine.runner.continued_inputs import awaited_inputs, known_inputs, previous_tokens
-from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.decode_graphs import DecodeGraphs, graph_query_rows
 from engine.runner.engine_threads import set_engine_threads
 from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels
 from engine.runner.kv_budget import num_cache_blocks, warn_if_short
@@ -115,12 +115,26 @@ class TorchModelRunner:
             shard = self.tp.shard if self.tp else None
             self.lora = LoRASlotWeights(self.model, spec, full_spec, config.lora, shard)
         self.block_size = config.cache.block_size
-        self._num_blocks = num_cache_blocks(self, config.cache, config.scheduler, max_len)
+        self.sampler = Sampler(config.seed)
+        self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
+        if self.device.type == "cuda":
+            self.sampler.warm_up(spec.vocab_size, self.device)
+        # The device's time on steps (forward and sampling): its idle share, for benchmarks.
+        self.device_clock = DeviceClock(self.device)
+        # The last step's sampled tokens on the device: a continuation's inputs (by request).
+        self._last_sampled: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
+        # Kernels checked (engine/runner/gpu_self_check.py) before the KV budget profiles a
+        # step with them and graphs capture them; what they keep on the device is counted.
+        check = config.gpu_self_check
+        self.self_check: list[PartCheck] = check_kernels(self) if check else []
+        graph_rows = graph_query_rows(self, config)
+        self._num_blocks = num_cache_blocks(
+            self, config.cache, config.scheduler, max_len, graph_rows
+        )
         if self.tp is not None:  # every rank holds each block's share of the heads
             self._num_blocks = self.tp.min(self._num_blocks)
         warn_if_short(self._num_blocks * self.block_size, max_len)
-        # One block more than the KV manager hands out: the scratch block, where padding rows
-        # of graph-replayed decode steps write.
+        # The scratch block, one past those the KV manager hands out: graph padding writes it.
         self.scratch_block = self._num_blocks
         shape = (self._num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = device_caches(shape, self.kv_dtype, self.device, spec.num_layers)
@@ -135,28 +149,14 @@ class TorchModelRunner:
             host_shape = (self._num_host_blocks, *shape[1:])
             pin = self.device.type == "cuda"
             self.host_caches = host_caches(host_shape, self.kv_dtype, spec.num_layers, pin)
-        self.sampler = Sampler(config.seed)
-        self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
-        if self.device.type == "cuda":
-            self.sampler.warm_up(spec.vocab_size, self.device)
-        # The device's time on steps (forward and sampling): its idle share, for benchmarks.
-        self.device_clock = DeviceClock(self.device)
-        # The last step's sampled tokens, on the device, by request id: the input of a step
-        # launched before that one is collected (engine/core/continuation.py).
-        self._last_sampled: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
-        # Kernels checked before graphs capture them (engine/runner/gpu_self_check.py).
-        check = config.gpu_self_check
-        self.self_check: list[PartCheck] = check_kernels(self) if check else []
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: DecodeGraphs | None = None  # rows of a last token and its drafts
-        graphable = self.backend.supports_graphs and world == 1
-        if self.device.type == "cuda" and graphable and not config.enforce_eager:
+        if graph_rows:
             max_seqs = config.scheduler.max_num_seqs
             self.graphs = DecodeGraphs(self, max_seqs, max_len)
             self.self_check += check_graphs(self) if check else []
-            if config.speculative.enabled:
-                q = config.speculative.num_speculative_tokens + 1
-                self.spec_graphs = DecodeGraphs(self, max_seqs, max_len, tokens_per_row=q)
+            if len(graph_rows) > 1:
+                self.spec_graphs = DecodeGraphs(self, max_seqs, max_len, graph_rows[1])
         if config.cache.calculate_kv_scales:  # from the first real step, not dummy ones
             measure_missing_kv_scales(self.model)
 

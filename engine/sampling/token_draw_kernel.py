@@ -30,11 +30,13 @@ _KEY_MAX = tl.constexpr(0x7F800000)
 
 @triton.jit
 def _load(row_ptr, start, vocab, temperature, BLOCK: tl.constexpr):
-    """A block of the row, temperature applied, and which of its columns exist."""
+    """A block of the row, temperature applied, and which of its columns exist. The division
+    rounds as torch's does (a GPU's `/` is approximate): the row keeps what the definition
+    keeps, to the last bit."""
     offs = start + tl.arange(0, BLOCK)
     valid = offs < vocab
     x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    return x / temperature, valid, offs
+    return tl.div_rn(x, temperature), valid, offs
 
 
 @triton.jit

@@ -77,6 +77,23 @@ def test_mixed_batches_match_peft_merged(
         assert engine.scheduler.num_preemptions_total > 0
 
 
+def test_steps_launched_before_the_one_before_is_collected_keep_each_rows_adapter(
+    tiny_model, adapters, oracles
+):
+    """As on a GPU: a step launched while the one before is in flight (a continuation) runs
+    each row with its adapter."""
+    lora = {"adapters": adapters, "max_loras": 2}
+    engine = scenario_engine(tiny_model, "roomy", deferred_steps="at_launch", lora=lora)
+    rng = random.Random(3)
+    n = 12
+    prompts = random_prompts(3, n, max_len=40)
+    max_tokens = [rng.randint(4, 16) for _ in range(n)]
+    loras = [CYCLE[i % len(CYCLE)] for i in range(n)]
+    tokens = run_mix(engine, prompts, max_tokens, [0] * n, loras)
+    assert engine.core.num_continuations > 0
+    check_mix(oracles, prompts, max_tokens, loras, tokens)
+
+
 def test_prefix_cache_never_shares_blocks_across_adapters(tiny_model, adapters, oracles):
     engine = lora_engine(tiny_model, "roomy", adapters)
     kv = engine.scheduler.kv_cache

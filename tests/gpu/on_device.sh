@@ -10,8 +10,10 @@
 #                                       # small model and 8B-shaped checkpoint
 #   bash tests/gpu/on_device.sh lora    # LoRA adapters: CUDA tests, tokens/s over 1, 4 and 16
 #                                       # adapters against the base, small model
-# That machine's image holds torch, triton, transformers and pytest: the checkout runs from
-# PYTHONPATH, nothing is installed. Each step's log (JSON last) goes to $OUT/<step>.log and its
+# That machine's image holds torch, triton, transformers, pytest and pytest-xdist: the
+# checkout runs from PYTHONPATH. What it lacks (xgrammar) travels as wheels: run
+# `bash tests/gpu/device_wheels.sh` here once and name `.whl` in `carry`; they are installed
+# under /tmp/site there (without them the grammar test skips). Each step's log (JSON last) goes to $OUT/<step>.log and its
 # tail to the output; a failing step does not stop the next.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -50,10 +52,21 @@ figures() {  # figures TAG MODEL HF_BATCH_SIZES
     done
 }
 
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+fi
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available() and \
 torch.cuda.get_device_name())"
 case ${1:-} in
-    tests) step gpu-tests 560 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu ;;
+    tests)
+        step prebuild 120 "$PY" tests/gpu/prebuild_models.py
+        # Alone: it measures the GPU's memory, which parallel workers would share.
+        memory=profiled_kv_cache_leaves_room
+        step gpu-tests-memory 120 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu -k "$memory"
+        step gpu-tests 420 "$PY" -m pytest -q -rfE -p no:cacheprovider -n 4 --timeout 200 \
+            tests/gpu -k "not $memory"
+        ;;
     small) figures small "${MODEL:-small}" 128 ;;
     8b)
         checkpoint=/tmp/llama3-8b-random
