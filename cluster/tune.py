@@ -7,13 +7,15 @@
         [--trials 40] [--workers 2] [--out reports/tune] [--json]
 
 The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py)
-or a named generator. Every setting runs the real scheduler over the whole trace on a fleet
-of simulated replicas (cluster/cluster_sim.py). SLOs: per-request objectives (ttft, itl,
-e2e, in seconds) that `--attainment` of requests must meet, and percentiles (ttft_p99, ...)
-that must not exceed their value. Knobs: cluster/tune_space.Setting (one value fixes a knob).
-Prints the Pareto front of replica-hours against attainment, writes the cheapest setting
-that meets the target as deploy.yaml `args:` (tuned.yaml), report.md, front.png and
-replicas.png under --out. Ctrl-C stops the search and reports on the trials so far.
+or a named generator. A setting runs the real scheduler over the trace on a fleet of
+simulated replicas (cluster/cluster_sim.py); `--trials` whole-trace runs are the budget of
+the search (cluster/tune_search.py: successive halving where the grid is larger). SLOs:
+per-request objectives (ttft, itl, e2e, in seconds) that `--attainment` of requests must
+meet, and percentiles (ttft_p99, ...) that must not exceed their value. Knobs:
+cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto front of
+replica-hours against attainment, writes the cheapest setting that meets the target as
+deploy.yaml `args:` (tuned.yaml), report.md, front.png and replicas.png under --out.
+Ctrl-C stops the search and reports on the trials so far.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace
 from cluster.tune_report import PERCENTILES, Target, cheapest, write
-from cluster.tune_search import Problem, search
+from cluster.tune_search import Problem, plan, search
 from cluster.tune_space import DEFAULT_SPACE, Setting, Space, parse_knob
 from cluster.workload import NAMED_WORKLOADS, named_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams, GpuSpec, ModelSpec
@@ -72,6 +74,10 @@ def replica_spec(opts) -> tuple[ModelSpec, GpuSpec, CostParams, str]:
     return MODELS[opts.model], GPUS[opts.gpu], CostParams(), f"{opts.model} on {opts.gpu}"
 
 
+def _share(fraction: float) -> str:
+    return "the whole trace" if fraction == 1.0 else f"the trace {round(1 / fraction)}x faster"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -108,7 +114,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (ValueError, TraceError, OSError) as exc:
         parser.error(str(exc))
     title = f"{what} ({len(trace)} requests), {replica_name}"
-    print(f"{title}: {min(opts.trials, space.size)} of {space.size} settings", file=sys.stderr)
+    rounds = plan(space.size, opts.trials)
+    runs = sum(count for count, _ in rounds)
+    how = "each on the whole trace"
+    if len(rounds) > 1:
+        rungs = ", ".join(f"{count} on {_share(fraction)}" for count, fraction in rounds[:-1])
+        how = f"successive halving ({rungs}), then up to {rounds[-1][0]} around the front"
+    print(f"{title}: {space.size} settings; {how}", file=sys.stderr)
     problem = Problem(trace, model, gpu, cost, target.slo)
     out = Path(opts.out)
     started = time.perf_counter()
@@ -118,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         count[0] += 1
         rate = trial["replica_hours"] / max(trial["wall_s"], 1e-9) * 60
         print(
-            f"\r[{count[0]}/{min(opts.trials, space.size)}] {time.perf_counter() - started:.0f} s;"
-            f" last {trial['replica_hours']:.2f} replica-hours, "
+            f"\r[{count[0]}/{runs}] {time.perf_counter() - started:.0f} s; last on "
+            f"{_share(trial.get('fraction', 1.0))}: {trial['replica_hours']:.2f} replica-hours, "
             f"{100 * trial['sla_attainment']:.1f}% ({rate:.0f} replica-hours/min)  ",
             end="",
             file=sys.stderr,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Container
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -187,9 +188,12 @@ class Space:
     def points(self) -> list[tuple[int, ...]]:
         return list(itertools.product(*(range(len(v)) for v in self.values.values())))
 
-    def sample(self, n: int, rng: random.Random) -> list[tuple[int, ...]]:
-        """`n` distinct points at random (all of them if the grid holds no more)."""
-        every = self.points()
+    def sample(
+        self, n: int, rng: random.Random, exclude: Container[tuple[int, ...]] = ()
+    ) -> list[tuple[int, ...]]:
+        """`n` distinct points at random, none of `exclude` (all the others if the grid
+        holds no more)."""
+        every = [p for p in self.points() if p not in exclude]
         return every if len(every) <= n else rng.sample(every, n)
 
     def neighbours(self, point: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -14,7 +14,7 @@ from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace, save_trace
 from cluster.tune import main as tune_main
 from cluster.tune_report import Target, binding, cheapest
-from cluster.tune_search import Problem, pareto_front, search
+from cluster.tune_search import RUNG_SHARES, Problem, pareto_front, plan, search
 from cluster.tune_space import Setting, Space
 from cluster.workload import make_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams
@@ -91,6 +91,49 @@ def test_impossible_slo_reports_none_and_what_binds(tmp_path):
     assert why[0].startswith("TTFT <= 0.001 s: at best 0.0%")
 
 
+def test_successive_halving_promotes_the_best_within_the_budget(tmp_path):
+    """24 settings, a budget of 6 whole-trace runs: 5 settings on the trace run 3x faster
+    (a third of its requests), the best 2 by Pareto rank on the whole trace, then 2 more
+    (the front's neighbours) with what is left."""
+    space = Space.of(
+        {
+            "max_num_seqs": [4, 8, 16, 64],
+            "target_waiting": [1.0, 2.0, 8.0],
+            "max_replicas": [1, 3],
+            "startup_delay_s": [10.0],
+        }
+    )
+    third = RUNG_SHARES[0]
+    assert plan(space.size, 6) == [(5, third), (2, 1.0), (2, 1.0)]
+    runs: list[dict] = []
+    trials, complete = search(
+        problem(Slo(ttft_s=2.0, itl_s=0.1)), space, 6, tmp_path / "t.jsonl", 1, progress=runs.append
+    )
+    screened = [r for r in runs if r.get("fraction") == third]
+    assert len(screened) == 5 and len(trials) == 4 and complete
+    assert trials == [r for r in runs if "fraction" not in r]
+    assert sum(r.get("fraction", 1.0) for r in runs) <= 6
+    assert all(t["requests"] > 2.9 * r["requests"] for t in trials for r in screened)
+
+    def key(trial: dict) -> str:
+        return json.dumps(trial["setting"], sort_keys=True)
+
+    def dominates(a: dict, b: dict) -> bool:
+        ours, theirs = (
+            (a["replica_hours"], -a["sla_attainment"]),
+            (
+                b["replica_hours"],
+                -b["sla_attainment"],
+            ),
+        )
+        return ours != theirs and all(x <= y for x, y in zip(ours, theirs, strict=True))
+
+    promoted = {key(t) for t in trials[:2]}
+    kept = [r for r in screened if key(r) in promoted]
+    assert len(kept) == 2
+    assert not any(dominates(r, k) for r in screened if key(r) not in promoted for k in kept)
+
+
 def test_interrupted_search_keeps_finished_trials(tmp_path):
     seen = []
 
@@ -111,16 +154,18 @@ def test_cli_writes_report_fragment_and_pictures(tmp_path, capsys):
     save_trace(TRACE, tmp_path / "trace.jsonl")
     out = tmp_path / "out"
     argv = ["--trace", str(tmp_path / "trace.jsonl"), "--slo", "ttft=2", "--slo", "itl=0.1"]
-    argv += ["--slo", "e2e_p99=120", "--trials", "3", "--workers", "2", "--out", str(out)]
+    argv += ["--slo", "e2e_p99=120", "--trials", "4", "--workers", "2", "--out", str(out)]
     argv += [f"--set={k}={','.join(map(str, v))}" for k, v in SPACE.items()]
     result = tune_main(argv + ["--json"])
-    assert result["trials"] == 3 and result["complete"]
+    # 72 settings (the default space's other knobs too): 4 on a third of the trace, the best
+    # 2 on all of it.
+    assert result["trials"] == 2 and result["complete"]
     assert result["chosen"] is not None and result["chosen"]["e2e_p99_s"] <= 120
     fragment = yaml.safe_load((out / "tuned.yaml").read_text())
     assert fragment == Setting(**result["chosen"]["setting"]).deploy_args()
     assert (out / "front.png").stat().st_size > 0 and (out / "replicas.png").stat().st_size > 0
     assert "Pareto front" in (out / "report.md").read_text()
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["trials"] == 3
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["trials"] == 2
 
 
 def test_cli_names_a_bad_knob_or_slo(tmp_path, capsys):
