@@ -4,10 +4,13 @@ exactly the step the scheduler would schedule once that step's tokens are in, or
 from __future__ import annotations
 
 import copy
+from dataclasses import fields
 
 from engine.core.continuation import schedule_continuation
+from engine.core.lora_slots import LoRARequest, LoRASlots
 from engine.core.outputs import UNKNOWN_TOKEN, SchedulerOutput
-from engine.core.sampling_params import StructuredOutput
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.core.scheduler import Scheduler
 from tests.engine.helpers import fake_run, make_request, make_scheduler, step
 
@@ -20,26 +23,31 @@ def decoding(sched: Scheduler, *requests) -> Scheduler:
     return sched
 
 
-def rows(out: SchedulerOutput, previous_token: int | None = None) -> list[tuple]:
-    """Each row's scheduling; `previous_token` stands for UNKNOWN_TOKEN in the tokens that
-    penalties count (the token the step before samples, which the runner has)."""
+def rows(out: SchedulerOutput, previous_token: int | None = None) -> list[dict]:
+    """Every field of each row; `previous_token` stands for UNKNOWN_TOKEN (the token the step
+    before samples, which the runner has) in its input and in the tokens penalties count."""
 
-    def seen(ids: list[int] | None) -> list[int] | None:
+    def known(ids: list[int] | None) -> list[int] | None:
         if ids is None or previous_token is None:
             return ids
         return [previous_token if t == UNKNOWN_TOKEN else t for t in ids]
 
     return [
-        (s.request_id, s.num_computed_tokens, list(s.block_ids), s.num_output_tokens)
-        + (s.banned_token_ids, s.sampling_params, seen(s.seen_token_ids))
+        {f.name: getattr(s, f.name) for f in fields(s)}
+        | {"token_ids": known(s.token_ids), "seen_token_ids": known(s.seen_token_ids)}
+        | {"block_ids": list(s.block_ids)}
         for s in out.scheduled
     ]
 
 
 def test_the_continuation_is_the_step_scheduled_after_the_tokens_are_in():
+    sched = make_scheduler(block_size=4, max_num_seqs=6)
+    sched.loras = LoRASlots(1)
     sched = decoding(
-        make_scheduler(block_size=4, max_num_seqs=5),
+        sched,
         *(make_request(f"r{i}", 5 + i, max_tokens=30) for i in range(2)),
+        # A row with an adapter keeps its slot.
+        Request("r5", [11] * 5, SamplingParams(max_tokens=30), lora=LoRARequest("a", 1, "/a")),
         # Stop tokens banned until min_tokens, in the continuation as in the step after.
         make_request("r2", 7, max_tokens=30, ignore_eos=False, min_tokens=8),
         # Penalties count the token in flight (UNKNOWN_TOKEN here); logprobs need nothing.
