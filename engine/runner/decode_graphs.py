@@ -87,7 +87,9 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = _capture_streams.setdefault(device, torch.cuda.Stream(device))
+        if device not in _capture_streams:  # (setdefault would make a stream every call)
+            _capture_streams[device] = torch.cuda.Stream(device)
+        stream = _capture_streams[device]
         # Largest first: the smaller graphs then fit in the memory the first one reserved.
         for size in reversed(self.sizes):
             self.inputs.fill([], size, runner.block_size, runner.scratch_block)
