@@ -32,6 +32,16 @@ class ApiArgs(BaseModel):
     max_messages: int = Field(
         1024, ge=1, description="Most chat messages in one request (400 naming `messages`)."
     )
+    stored_responses: int = Field(
+        10000,
+        ge=0,
+        description="Responses API: most responses kept for previous_response_id and GET "
+        "/v1/responses/{id} (the least recently used leave first), in a store every ingress "
+        "replica shares. 0: none kept.",
+    )
+    stored_response_ttl_s: float = Field(
+        86400.0, gt=0, description="Responses API: how long a stored response is kept."
+    )
     api_keys: list[str] = Field(
         default_factory=list,
         description="Keys clients must send as `Authorization: Bearer <key>` on /v1/*, "

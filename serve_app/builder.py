@@ -13,6 +13,7 @@ from serve_app.engine_server import EngineServer
 from serve_app.ingress import OpenAIIngress
 from serve_app.lora_board import LoRABoard
 from serve_app.metrics_board import EngineMetricsBoard
+from serve_app.response_store import ResponseStore
 
 # Serve's own limit on requests in flight at an engine replica sits above the replica's
 # capacity, so the engine (not Serve's router backoff) decides when to answer 429.
@@ -41,6 +42,11 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     if app_args.engine.lora.enabled:  # the adapters served, for every ingress replica
         lora_board = LoRABoard.options(ray_actor_options=control).bind(
             dict(app_args.engine.lora.adapters)
+        )
+    store = None
+    if app_args.api.stored_responses:  # the Responses API's, outliving any ingress replica
+        store = ResponseStore.options(ray_actor_options=control).bind(
+            app_args.api.stored_responses, app_args.api.stored_response_ttl_s
         )
     actor_options, placement = _engine_placement(app_args)
     scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
@@ -85,7 +91,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             # less per chunk.
             "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
         },
-    ).bind(engine, plain, controller, board, lora_board)
+    ).bind(engine, plain, controller, board, lora_board, store)
 
 
 def _engine_placement(app_args: AppArgs) -> tuple[dict[str, Any], dict[str, Any]]:

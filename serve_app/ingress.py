@@ -1,9 +1,9 @@
 """OpenAIIngress: the HTTP face (FastAPI through @serve.ingress).
 
 Validates bodies (400 names the field), applies the chat template, tokenizes, and streams
-each request from an engine replica through a DeploymentHandle. Engine replicas that are full
-make it answer 429 with Retry-After; a client that goes away cancels the engine request.
-"""
+each request from an engine replica through a DeploymentHandle (/v1/responses runs through
+the same path: serve_app/responses_service.py). Engine replicas that are full make it answer
+429 with Retry-After; a client that goes away cancels the engine request."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ from serve_app.lora_names import AdapterNames
 from serve_app.lora_routes import router as lora_router
 from serve_app.prompts import PromptBuilder
 from serve_app.responses import sse_events, whole_body
+from serve_app.responses_routes import router as responses_router
+from serve_app.responses_service import ResponsesService
 from serve_app.streaming import Prepared, closing, runs_response
 from serve_app.telemetry import IngressMetrics
 from serve_app.tool_calls import hold_to_tools, plan_tools
@@ -47,6 +49,7 @@ app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
 install_edge(app)
 app.include_router(lora_router)
+app.include_router(responses_router)
 
 Body = oai.CompletionRequest | oai.ChatCompletionRequest
 
@@ -61,6 +64,7 @@ class OpenAIIngress:
         controller: DeploymentHandle | None = None,
         metrics_board: DeploymentHandle | None = None,
         lora_board: DeploymentHandle | None = None,
+        response_store: DeploymentHandle | None = None,
     ) -> None:
         self.args = AppArgs.model_validate(args)
         self.model_name = self.args.model_name
@@ -87,10 +91,10 @@ class OpenAIIngress:
             self.args.request_timeout_s,
             self.metrics.sequence_resumed,
         )
-        self.controller = controller
-        self.metrics_board = metrics_board
+        self.controller, self.metrics_board = controller, metrics_board
         self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
         self.ignored = IgnoredFields()
+        app.state.responses = ResponsesService(self, response_store)
         # What the routes beside generation read (serve_app/edge_routes.py).
         app.state.edge = EdgeState(
             self.model_name,

@@ -1,6 +1,7 @@
 """Tool calling over HTTP with the real openai client. With random weights only the grammar
 makes calls: `tool_choice` required and named must return calls to declared functions whose
-arguments validate, the same streamed as whole; histories with calls and results are served."""
+arguments validate, the same streamed as whole; histories with calls and results are served;
+the Responses API's function tools likewise."""
 
 from __future__ import annotations
 
@@ -163,3 +164,36 @@ def test_bad_tool_fields_answer_400(serve_cluster, tools_app, patch, param):
     resp = httpx.post(f"{serve_cluster.v1(APP)}/chat/completions", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+RESPONSES_TOOL = {"type": "function", "name": "add", "description": "add", "parameters": ADD}
+
+
+def test_the_responses_api_calls_a_function_tool_whole_and_streamed(client):
+    kwargs = {
+        "model": "tiny",
+        "input": "What is 2 + 3?",
+        "tools": [RESPONSES_TOOL],
+        "max_output_tokens": 80,
+    }
+    kwargs |= {"tool_choice": {"type": "function", "name": "add"}, "temperature": 0}
+    response = client.responses.create(**kwargs)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "add" and call.call_id and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"a", "b"}
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(pieces) == done.arguments == call.arguments
+    assert kinds[-2:] == ["response.output_item.done", "response.completed"]
+    # The call's result handed back continues the conversation.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+    back = client.responses.create(
+        model="tiny",
+        input=[{"role": "user", "content": "What is 2 + 3?"}, call.model_dump(), result],
+        temperature=0,
+        max_output_tokens=4,
+    )
+    assert back.status == "incomplete" and back.output[0].type == "message"
