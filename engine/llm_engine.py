@@ -263,6 +263,7 @@ class LLMEngine:
                     num_preemptions=req.num_preemptions,
                     logprobs=logprobs_of(result.logprobs, core.request_id, new_ids),
                     prompt_logprobs=tracked.take_prompt_logprobs(),
+                    embedding=core.embedding,
                 )
             )
             if finish_reason is not None:

@@ -37,6 +37,15 @@ class OpenAIError(Exception):
         return cls(404, message, param="model", code="model_not_found")
 
     @classmethod
+    def too_long(cls, param: str, max_model_len: int, prompt: int, completion: int) -> OpenAIError:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt + completion} tokens ({prompt} in the prompt, {completion} for "
+            "the completion)."
+        )
+        return cls(400, message, param=param, code="context_length_exceeded")
+
+    @classmethod
     def server_error(cls, status: int, message: str) -> OpenAIError:
         return cls(status, message, err_type="server_error")
 

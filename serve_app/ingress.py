@@ -30,6 +30,8 @@ from serve_app.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.config import AppArgs
 from serve_app.delta_channel import DeltaChannels, channel_name
 from serve_app.edge_routes import EdgeState, install_edge
+from serve_app.embeddings import EmbeddingsService
+from serve_app.embeddings import router as embeddings_router
 from serve_app.engine_client import EngineClient
 from serve_app.errors import OpenAIError, install_error_handlers
 from serve_app.logprobs_format import LogprobsFormatter
@@ -48,8 +50,8 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
 install_edge(app)
-app.include_router(lora_router)
-app.include_router(responses_router)
+for router in (lora_router, responses_router, embeddings_router):
+    app.include_router(router)
 
 Body = oai.CompletionRequest | oai.ChatCompletionRequest
 
@@ -95,6 +97,7 @@ class OpenAIIngress:
         self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
         self.ignored = IgnoredFields()
         app.state.responses = ResponsesService(self, response_store)
+        app.state.embeddings = EmbeddingsService(self)
         # What the routes beside generation read (serve_app/edge_routes.py).
         app.state.edge = EdgeState(
             self.model_name,
@@ -238,7 +241,9 @@ class OpenAIIngress:
             room = self.max_model_len - len(prompt_ids)
             max_tokens = requested if requested is not None else room
             if max_tokens > room or room < 1:
-                raise self._too_long(endpoint, len(prompt_ids), max(max_tokens, 1))
+                param = "messages" if endpoint == "chat" else "prompt"
+                counts = (len(prompt_ids), max(max_tokens, 1))
+                raise OpenAIError.too_long(param, self.max_model_len, *counts)
             params = body.sampling_params(max_tokens)
             if planned is not None:
                 hold_to_tools(params, *planned, body.parallel_tool_calls is not False)
@@ -267,16 +272,6 @@ class OpenAIIngress:
             tools=planned[0] if planned else None,
             reasoning=endpoint == "chat" and self.args.api.reasoning_parser == "think",
             lora=lora,
-        )
-
-    def _too_long(self, endpoint: str, prompt: int, completion: int) -> OpenAIError:
-        return OpenAIError(
-            400,
-            f"This model's maximum context length is {self.max_model_len} tokens. However, "
-            f"you requested {prompt + completion} tokens ({prompt} in the prompt, "
-            f"{completion} for the completion).",
-            param="messages" if endpoint == "chat" else "prompt",
-            code="context_length_exceeded",
         )
 
     def _record(

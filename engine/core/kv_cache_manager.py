@@ -111,8 +111,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix caching
     def match_prefix(self, request: Request) -> list[KVCacheBlock]:
         """The cached blocks that hold the request's leading tokens (not yet referenced); none
-        for a request that asks for its prompt's log-probabilities (each position computes)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        for a request that reads every prompt position (prompt logprobs, mean pooling)."""
+        if not self.enable_prefix_caching or request.sampling_params.computes_whole_prompt:
             return []
         bs, tokens = self.block_size, request.all_token_ids
         hit: list[KVCacheBlock] = []

@@ -25,7 +25,9 @@ class ScheduledRequest:
     token_ids: list[int]  # tokens whose KV this step computes
     num_computed_tokens: int  # position of token_ids[0]
     block_ids: list[int]  # the request's whole block table (read it during this step only)
-    sample: bool  # True when the step reaches the request's last token: sample the next one
+    # True when the step reaches the request's last token: sample the next one (never for
+    # an embedding request: its rows are pooled, engine/runner/pooler.py).
+    sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int
     banned_token_ids: tuple[int, ...] = ()  # masked while min_tokens is not reached
@@ -41,6 +43,8 @@ class ScheduledRequest:
     # count while they equal those draws (engine/sampling/verification.py).
     num_drafts: int = 0
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
+    # An embedding request's chunk that ends its prompt: the runner returns its vector.
+    pooled: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +55,9 @@ class ScheduledRequest:
         """The next `n` tokens of `request` (stop tokens banned while min_tokens is not
         reached, when this step samples)."""
         start = request.num_computed_tokens
-        sample = start + n == request.num_tokens
         params = request.sampling_params
+        reaches_end = start + n == request.num_tokens
+        sample = reaches_end and params.pooling is None
         banned: tuple[int, ...] = ()
         if sample and request.num_output_tokens < params.min_tokens:
             banned = tuple(sorted(request.stop_token_ids))
@@ -73,6 +78,7 @@ class ScheduledRequest:
             request.all_token_ids if sample and params.penalized else None,
             targets,
             lora_slot=request.lora_slot,
+            pooled=reaches_end and not sample,
         )
 
     @classmethod
@@ -129,6 +135,8 @@ class ModelRunnerOutput:
     # Rows with drafts: the accepted drafts, then the target's own next token (1 to k+1
     # tokens; sampled_token_ids does not hold these requests).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Embedding requests whose prompt this step finished: the pooled vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):
@@ -159,6 +167,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
+    embedding: list[float] | None = None  # an embedding request's, when it ends
 
     @property
     def finished(self) -> bool:
@@ -183,6 +192,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asks
     # On the first delta, when the request asks: one per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's, on its finished delta
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
@@ -203,6 +213,7 @@ class RequestOutput:
                 else None
             ),
             prompt_logprobs=self.prompt_logprobs,
+            embedding=later.embedding,
         )
 
 

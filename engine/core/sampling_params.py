@@ -13,6 +13,9 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+# An embedding request's pooling of the prompt's final hidden states (normed): its last
+# token's, or the mean over its tokens.
+Pooling = Literal["last", "mean"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class SamplingParams:
     # False: never drafted for, where the engine speculates (the output is the same either
     # way; a request may still want steady per-token latency).
     speculate: bool = True
+    # An embedding request: its prompt is computed (prefill only, every token for "mean"),
+    # the pooled final hidden state (L2-normalized with `normalize`) is its output, and it
+    # ends there, generating nothing.
+    pooling: Pooling | None = None
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,6 +136,14 @@ class SamplingParams:
             raise InvalidParam("stop", "stop must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidParam("stop_token_ids", "stop_token_ids must hold non-negative integers")
+        if self.pooling not in (None, "last", "mean"):
+            raise InvalidParam("pooling", f"pooling must be last or mean, got {self.pooling!r}")
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position is computed (no prefix cache hit): prompt logprobs and mean
+        pooling read them all."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
 
 def check_in_vocabulary(name: str, token_ids, vocab: int) -> None:

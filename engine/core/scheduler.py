@@ -203,6 +203,9 @@ class Scheduler:
             if caching and request.num_computed_tokens % block_size < n_new:
                 cache_full_blocks(request)
             if not sched.sample:
+                if sched.pooled:  # an embedding request's prompt is computed
+                    emit(self._pooled(request, runner_output.pooled[request.request_id], now))
+                    any_ended = True
                 continue
             token = sampled[sched.request_id]
             request.all_token_ids.append(token)
@@ -258,6 +261,13 @@ class Scheduler:
         if self.loras is not None and request.lora_slot >= 0:
             self.loras.release(request.lora)
             request.lora_slot = -1
+
+    def _pooled(self, request: Request, embedding: list[float], now: float) -> EngineCoreOutput:
+        """An embedding request's prompt is computed: it ends with its pooled vector."""
+        request.first_token_time = now
+        status = RequestStatus.FINISHED_STOPPED
+        self._end(request, status)
+        return EngineCoreOutput(request.request_id, [], status.finish_reason, embedding)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         self.release_lora(request)

@@ -63,13 +63,14 @@ def check_request(s: Scheduler, request: Request) -> None:
     """Raise InvalidParam if the request could never run on `s`. Reads only the config."""
     if request.num_prompt_tokens < 1:
         raise InvalidParam("prompt", "prompt must contain at least one token")
-    total = request.num_prompt_tokens + request.sampling_params.max_tokens
+    params = request.sampling_params
+    generated = 0 if params.pooling is not None else params.max_tokens  # embeddings: none
+    total = request.num_prompt_tokens + generated
     if total > s.config.max_model_len:
         raise InvalidParam(
             "prompt",
-            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-            f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len "
-            f"({s.config.max_model_len})",
+            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({generated}) = {total} "
+            f"exceeds max_model_len ({s.config.max_model_len})",
         )
     if s.kv_cache.blocks_needed(total) > s.kv_cache.num_blocks:
         raise InvalidParam(

@@ -56,3 +56,18 @@ def previous_tokens(
     previous = torch.full((len(sampled),), UNKNOWN_TOKEN, dtype=tokens.dtype, device=tokens.device)
     previous[to_device(rows, tokens.device)] = tokens
     return previous
+
+
+def step_known_inputs(
+    runner, order: list[ScheduledRequest]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`known_inputs` of `runner`'s step; under tensor parallelism rank 0 (which samples)
+    broadcasts those tokens to the other ranks, device to device."""
+    tp = runner.tp
+    if tp is None or tp.shard.rank == 0:
+        known = known_inputs(order, *runner._last_sampled)
+    else:
+        known = awaited_inputs(order, runner.device)
+    if tp is not None and known is not None:
+        tp.broadcast(known[1])
+    return known

@@ -71,6 +71,7 @@ class LaunchedStep:
         prompt_logprobs: PromptLogprobs | None = None,
         drafts: dict[str, list[int]] | None = None,
         decided: dict[str, list[int]] | None = None,
+        pooled: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.request_ids = request_ids
         self._host = to_host(tokens)
@@ -81,6 +82,7 @@ class LaunchedStep:
         self._logprobs, self._prompt_logprobs = logprobs, prompt_logprobs
         self._drafts = drafts or {}
         self._decided = decided or {}  # rows verified by rejection sampling: their tokens
+        self._pooled = pooled or {}  # embedding requests' vectors
 
     def result(self) -> ModelRunnerOutput:
         self._clock.settle(self._started, self._end)
@@ -105,4 +107,5 @@ class LaunchedStep:
             logprobs.by_request() if logprobs is not None else {},
             prompt.by_request() if prompt is not None else {},
             spec,
+            {rid: vector.tolist() for rid, vector in self._pooled.items()},
         )

@@ -28,7 +28,7 @@ from engine.model.sharding import Shard, shard_spec
 from engine.model.weight_loader import load_decoder
 from engine.quant.kv_scales import measure_missing_kv_scales
 from engine.quant.linear import use_kernels
-from engine.runner.continued_inputs import awaited_inputs, known_inputs, previous_tokens
+from engine.runner.continued_inputs import previous_tokens, step_known_inputs
 from engine.runner.decode_graphs import DecodeGraphs, graph_query_rows
 from engine.runner.engine_threads import set_engine_threads
 from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels
@@ -37,6 +37,7 @@ from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.packed_inputs import packed_inputs
+from engine.runner.pooler import Pooler, has_pooling
 from engine.runner.rank_bundles import DEVICE_INDEX_ENV
 from engine.runner.tensor_parallel import RankedStep, RankWorkers
 from engine.sampling.logprobs import PromptLogprobs
@@ -116,6 +117,7 @@ class TorchModelRunner:
             self.lora = LoRASlotWeights(self.model, spec, full_spec, config.lora, shard)
         self.block_size = config.cache.block_size
         self.sampler = Sampler(config.seed)
+        self.pooler = Pooler()  # embedding requests' rows
         self.draft_probs: Callable[[str], torch.Tensor | None] | None = None
         if self.device.type == "cuda":
             self.sampler.warm_up(spec.vocab_size, self.device)
@@ -206,6 +208,7 @@ class TorchModelRunner:
     @torch.inference_mode()
     def _launch(self, scheduler_output: SchedulerOutput, sample: bool = True) -> PendingStep:
         self.sampler.forget(scheduler_output.finished_request_ids)
+        self.pooler.forget(scheduler_output.finished_request_ids)
         if scheduler_output.has_swaps:
             swap = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
             swap_blocks(self.kv_caches, self.host_caches, *swap)
@@ -215,19 +218,21 @@ class TorchModelRunner:
         # that each adapter's tokens are one run of the batch.
         order = sorted(scheduler_output.scheduled, key=lambda r: (r.num_tokens != 1, r.lora_slot))
         started = self.device_clock.start()
-        known = self._known_inputs(order)
+        known = step_known_inputs(self, order)
         if self.lora is not None:  # decode graphs run no adapters (yet)
             self.lora.begin_step(scheduler_output.lora_loads, order)
         graphs = (self.graphs or self.spec_graphs) and not (self.lora and self.lora.active)
-        logits = self._replay(order, known) if graphs else None
+        # Embedding rows need hidden states, which graphs do not keep.
+        logits = self._replay(order, known) if graphs and not has_pooling(order) else None
+        pooled = {}
         if logits is None:
             input_ids, positions, layout, logits_indices = self.prepare_inputs(order)
             if known is not None:
                 input_ids[known[0]] = known[1]
             metadata = self.backend.prepare(layout)
-            logits = self.model(
-                input_ids, positions, self.kv_caches, self.backend, metadata, logits_indices
-            )
+            inputs = (input_ids, positions, self.kv_caches, self.backend, metadata)
+            offsets = layout.query_start_loc
+            logits, pooled = self.pooler.forward(self.model, inputs, logits_indices, order, offsets)
         if not sample:
             return ReadyStep(ModelRunnerOutput({}))
         # A row with drafts samples each of its positions (engine/sampling/verification.py).
@@ -248,22 +253,8 @@ class TorchModelRunner:
             grammars = None
         clock = self.device_clock
         drafts = {r.request_id: r.token_ids[-r.num_drafts :] for r in order if r.num_drafts}
-        return LaunchedStep(
-            ids, tokens, clock, started, grammars, logprobs, prompt_logprobs, drafts, decided
-        )
-
-    def _known_inputs(
-        self, order: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """continued_inputs.known_inputs; under tensor parallelism rank 0 (which samples)
-        broadcasts those tokens to the other ranks, device to device."""
-        if self.tp is None or self.tp.shard.rank == 0:
-            known = known_inputs(order, *self._last_sampled)
-        else:
-            known = awaited_inputs(order, self.device)
-        if self.tp is not None and known is not None:
-            self.tp.broadcast(known[1])
-        return known
+        step = (ids, tokens, clock, started, grammars, logprobs, prompt_logprobs, drafts)
+        return LaunchedStep(*step, decided, pooled)
 
     def _replay(
         self, order: list[ScheduledRequest], known: tuple[torch.Tensor, torch.Tensor] | None
