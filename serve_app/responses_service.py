@@ -83,16 +83,21 @@ class ResponsesService:
             except OpenAIError as exc:
                 ingress.metrics.answered(ENDPOINT, exc.status)
                 return exc.response()
-            ingress.metrics.answered(ENDPOINT, 200)
             record = partial(ingress._record, prep, span, time.perf_counter() - prep.started)
             if body.stream:
+                ingress.metrics.answered(ENDPOINT, 200)
                 runs_response()
                 events = self._events(turn, choices, record)
                 events = closing(events, scope.pop_all())
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            done = await self._whole(turn, choices, record)
-            if done["status"] == "failed":
-                return OpenAIError.server_error(500, "engine error: the response failed").response()
+            try:
+                done = await self._whole(turn, choices, record)
+                if done["status"] == "failed":
+                    raise OpenAIError.server_error(500, "engine error: the response failed")
+            except OpenAIError as exc:  # lost with its replica, and no other took it; failed
+                ingress.metrics.answered(ENDPOINT, exc.status)
+                return exc.response()
+            ingress.metrics.answered(ENDPOINT, 200)
             return JSONResponse(done, headers=headers)
 
     async def get(self, response_id: str) -> Response:

@@ -207,3 +207,21 @@ def test_ranks_share_the_replicas_kv_cache_bytes(wide_model):
         blocks.append(runner.num_kv_blocks())
         runner.close()
     assert blocks[0] == blocks[1] > 0
+
+
+def test_embeddings_within_1e_5_of_one_rank(wide_model):
+    """Embedding rows beside generating ones: every rank runs the same pooled forward (its
+    collectives), rank 0's vectors are one rank's."""
+    from tests.engine.test_embeddings import embed
+
+    prompts = random_prompts(5, 4, max_len=40)
+    vectors = {}
+    for world in (1, 2):
+        engine = build_engine(wide_model, tensor_parallel_size=world, max_num_batched_tokens=16)
+        try:
+            params = SamplingParams(max_tokens=1, pooling="mean")
+            vectors[world], _ = embed(engine, prompts, params, prompts[:2])
+        finally:
+            engine.close()
+    for rid, vector in vectors[1].items():
+        assert torch.allclose(vectors[2][rid], vector, atol=1e-5, rtol=0), rid

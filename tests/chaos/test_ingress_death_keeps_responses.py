@@ -1,7 +1,9 @@
 """Chaos: stored responses outlive the ingress replicas that made them. With two ingress
 replicas, a conversation goes on through previous_response_id turn after turn (through
 either replica), then every ingress replica is killed and, once Serve has started others,
-the conversation continues where it was: the store is its own deployment."""
+the conversation continues where it was: the store is its own deployment. (Runs before
+test_redeploy.py by name: that test leaves the app with one engine replica, for the rest of
+the suite's CPU.)"""
 
 from __future__ import annotations
 
