@@ -116,14 +116,17 @@ class EmbeddingsService:
         (each started one is cancelled, its engine request aborted)."""
         config, base = self.config, f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, pooling=config.pooling, normalize=config.normalize)
+        # At most an engine replica's capacity in flight: a long list is not its own 429.
+        gate = asyncio.Semaphore(self.ingress.args.replica_capacity)
 
         async def one(i: int, prompt: list[int]) -> list[float]:
             prep = Prepared(f"{base}-{i}", prompt, params, ENDPOINT, False, False, lora=lora)
-            (choice,) = await self.ingress.client.start_choices(prep, 1, None, 0)
-            last: RequestOutput = choice.first
-            async with contextlib.aclosing(choice.deltas) as outs:
-                async for out in outs:
-                    last = out
+            async with gate:
+                (choice,) = await self.ingress.client.start_choices(prep, 1, None, 0)
+                last: RequestOutput = choice.first
+                async with contextlib.aclosing(choice.deltas) as outs:
+                    async for out in outs:
+                        last = out
             if last.embedding is None:
                 raise OpenAIError.server_error(500, f"engine error: {last.error}")
             return last.embedding

@@ -26,10 +26,12 @@ class ResponseStore:
         self._records: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
 
     async def put(self, response_id: str, record: dict[str, Any]) -> None:
-        """Store (or replace) a record; a cancel asked for before is kept."""
+        """Store (or replace) a record. A response cancelled before stays cancelled: its
+        runner may store it once more before it sees the cancel."""
         old = self._get(response_id)
         if old is not None and old.get("cancel"):
-            record = record | {"cancel": True}
+            cancelled = record["response"] | {"status": "cancelled"}
+            record = record | {"cancel": True, "response": cancelled}
         self._records[response_id] = (time.monotonic(), record)
         self._records.move_to_end(response_id)
         while len(self._records) > self.max_responses:

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from serve_app.responses_protocol import ResponsesRequest
+from serve_app.responses_protocol import ResponsesRequest, chat_tool_call
 
 
 def new_id(prefix: str) -> str:
@@ -102,11 +102,7 @@ def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
         part["text"] for item in output if item["type"] == "message" for part in item["content"]
     )
     calls = [
-        {
-            "id": i["call_id"],
-            "type": "function",
-            "function": {"name": i["name"], "arguments": i["arguments"]},
-        }
+        chat_tool_call(i["call_id"], i["name"], i["arguments"])
         for i in output
         if i["type"] == "function_call"
     ]
@@ -131,7 +127,9 @@ def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def _call(item_id: str, call_id: str, name: str, arguments: str, status="completed") -> dict:
+def _call(
+    item_id: str, call_id: str, name: str, arguments: str, status: str = "completed"
+) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "function_call",

@@ -123,6 +123,11 @@ def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
         raise InvalidParam(
             f"input[{i}]", f"input[{i}]: a function_call has call_id, name and arguments"
         )
+    return chat_tool_call(call_id, name, arguments)
+
+
+def chat_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A function call as a chat assistant message carries it."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -17,7 +17,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from engine.model.pooling_config import EmbeddingConfig
 from serve_app.embeddings import encoded
-from tests.local_serve import assert_serves_and_frees
+from tests.local_serve import NARROW_AUTH, assert_serves_and_frees
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,6 +123,17 @@ def test_bad_bodies_are_400s_naming_the_field(serve_cluster, patch, param):
     resp = httpx.post(f"{serve_cluster.v1()}/embeddings", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_more_inputs_than_a_replica_holds_are_served(serve_cluster, oracle):
+    """The narrow app's one engine replica holds 4 requests: 12 inputs go 4 at a time."""
+    texts = [f"text number {i}" for i in range(12)]
+    body = {"model": "tiny", "input": texts, "encoding_format": "float"}
+    url = f"{serve_cluster.v1('narrow')}/embeddings"
+    resp = httpx.post(url, json=body, headers=NARROW_AUTH, timeout=120)
+    assert resp.status_code == 200, resp.text
+    vectors = [item["embedding"] for item in resp.json()["data"]]
+    assert all(_close(v, oracle(t)) for v, t in zip(vectors, texts, strict=True))
 
 
 def test_dimensions_truncate_and_renormalize_where_the_model_allows():
