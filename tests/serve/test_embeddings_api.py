@@ -67,20 +67,18 @@ def test_embeddings_equal_transformers_hidden_states_pooled(client, oracle):
     assert _close(single.data[0].embedding, oracle(ids[0]))
 
 
+def _story(i: int) -> dict:
+    """A greedy chat request generating beside the embeddings."""
+    messages = [{"role": "user", "content": f"Story {i}"}]
+    return {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0}
+
+
 def test_embeddings_beside_generation_are_unchanged_and_leave_nothing(
     serve_cluster, client, oracle
 ):
     async def run() -> tuple[list, list[str]]:
         aclient = openai.AsyncOpenAI(base_url=serve_cluster.v1(), api_key="u", max_retries=0)
-        chats = [
-            aclient.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": f"Story {i}"}],
-                max_tokens=40,
-                temperature=0,
-            )
-            for i in range(4)
-        ]
+        chats = [aclient.chat.completions.create(**_story(i)) for i in range(4)]
         embeds = [aclient.embeddings.create(model="tiny", input=TEXTS) for _ in range(4)]
         done = await asyncio.gather(*chats, *embeds)
         return done[4:], [c.choices[0].message.content for c in done[:4]]
@@ -90,15 +88,7 @@ def test_embeddings_beside_generation_are_unchanged_and_leave_nothing(
         for text, item in zip(TEXTS, answer.data, strict=True):
             assert _close(item.embedding, oracle(text))
     alone = [
-        client.chat.completions.create(
-            model="tiny",
-            messages=[{"role": "user", "content": f"Story {i}"}],
-            max_tokens=40,
-            temperature=0,
-        )
-        .choices[0]
-        .message.content
-        for i in range(4)
+        client.chat.completions.create(**_story(i)).choices[0].message.content for i in range(4)
     ]
     assert texts == alone
     assert_serves_and_frees(serve_cluster)
