@@ -26,7 +26,7 @@ models: $(TINY)
 
 test: install models
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # `serve run deploy.yaml` (local Ray, tiny model on CPU); prints curl and openai examples.
 serve: install models

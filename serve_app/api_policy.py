@@ -57,7 +57,8 @@ class ApiArgs(BaseModel):
         4096,
         ge=1,
         description="Tokens of one stream that may wait at the ingress for a client that reads "
-        "slower than they come; past it the request is aborted and its connection closed. "
+        "slower than they come; past it, once the client took none of them for 2 s, the "
+        "request is aborted and its connection closed. "
         "Applies where the ingress serves HTTP itself (Serve's direct ingress); through "
         "Serve's proxy, the proxy buffers instead. Null: no bound.",
     )

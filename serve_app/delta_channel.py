@@ -20,12 +20,13 @@ import contextvars
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.outputs import RequestOutput
+from serve_app.delta_queue import DeltaQueue
 
 logger = logging.getLogger(__name__)
 
@@ -58,31 +59,6 @@ def _owner_alive(owner: str) -> bool:
     except Exception:  # the lookup itself failed: no reason to end anyone's requests
         logger.warning("could not look up %s", owner, exc_info=True)
     return True
-
-
-class DeltaQueue(asyncio.Queue):
-    """One request's deltas at the ingress, waiting for its response to send them, counted
-    in tokens: a client that stops reading makes them pile up here (when the ingress's
-    connection carries the client's backpressure), and past a bound its request ends."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.num_tokens = 0
-        self.ended = False  # its last delta (or an error) has come
-        # Called once the unsent tokens pass the channel's bound (set by the request's stream).
-        self.on_overflow: Callable[[int], None] | None = None
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        super()._put(item)
-        self.ended |= not isinstance(item, RequestOutput) or item.finished
-        if isinstance(item, RequestOutput):
-            self.num_tokens += len(item.new_token_ids)
-
-    def _get(self) -> RequestOutput | BaseException:
-        item = super()._get()
-        if isinstance(item, RequestOutput):
-            self.num_tokens -= len(item.new_token_ids)
-        return item
 
 
 @dataclass(frozen=True)
@@ -226,7 +202,7 @@ class DeltaChannels:
 
     def open(self, request_id: str) -> DeltaQueue:
         """The request's queue; open it before the request is sent so no delta is missed."""
-        queue = DeltaQueue()
+        queue = DeltaQueue(self.max_unsent_tokens)
         self._queues[request_id] = queue
         return queue
 
@@ -248,17 +224,12 @@ class DeltaChannels:
         if queue is not None:
             queue.put_nowait(exc)
 
-    def _bound(self, request_id: str, queue: DeltaQueue) -> None:
-        """Past max_unsent_tokens the request's client is not reading: its stream ends it."""
-        limit = self.max_unsent_tokens
-        if limit is not None and queue.num_tokens > limit and queue.on_overflow is not None:
-            overflow, queue.on_overflow = queue.on_overflow, None
-            overflow(queue.num_tokens)
-
     def close(self, request_id: str) -> None:
         """The request ended here. Its replica's subscription stays (the replica ends it once
         idle): cancelling it would drop the batches on their way, other requests' deltas."""
-        self._queues.pop(request_id, None)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.close()
         replica_id = self._replica_of.pop(request_id, None)
         if replica_id is not None:
             self._open_at[replica_id] -= 1
@@ -280,7 +251,6 @@ class DeltaChannels:
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
                             queue.put_nowait(out)
-                            self._bound(out.request_id, queue)
                 stream = None
                 if not delivered:  # it reached another replica: try again shortly
                     await asyncio.sleep(_RETRY_S)

@@ -23,7 +23,6 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.model.loader import read_spec
 from engine.model.pooling_config import read_embedding_config
-from serve_app.api_policy import IGNORED_FIELDS_HEADER
 from serve_app.errors import OpenAIError
 from serve_app.streaming import Prepared
 
@@ -63,9 +62,7 @@ class EmbeddingsService:
     async def create(self, body: EmbeddingRequest) -> Response:
         ingress, headers = self.ingress, {}
         try:
-            ignored = ingress._ignored(body)
-            if ignored:
-                headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+            headers = ingress.ignored_header(body)
             try:
                 self.config.check_dimensions(body.dimensions)
                 prompts = self._prompts(body.input)

@@ -159,17 +159,11 @@ class OpenAIIngress:
     # ------------------------------------------------------------------------ the path
     async def _serve(self, endpoint: str, body: Body) -> Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        attributes = {"http.request.method": "POST", "url.path": path}
-        attributes |= {"dynabatch.stream": bool(body.stream), "gen_ai.request.model": body.model}
         with contextlib.ExitStack() as scope:
-            span = scope.enter_context(
-                tracing.request_span(self.tracer, f"POST {path}", attributes, kind="SERVER")
-            )
+            span = scope.enter_context(self.request_span(path, body.model, bool(body.stream)))
             headers = {}
             try:
-                ignored = self._ignored(body)
-                if ignored:
-                    headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+                headers = self.ignored_header(body)
                 prep = self._prepare(endpoint, body, await self.adapters.resolve(body.model))
                 choices = await self.client.start_choices(
                     prep, body.num_sequences, span.carrier(), body.priority
@@ -202,13 +196,22 @@ class OpenAIIngress:
             self.metrics.answered(endpoint, 200)
             return JSONResponse(whole, headers=headers)
 
-    def _ignored(self, body: Body) -> list[str]:
-        """The body's unknown fields: logged once each, or a 400 naming the first."""
+    def request_span(
+        self, path: str, model: str, stream: bool
+    ) -> contextlib.AbstractContextManager[tracing.RequestSpan]:
+        """A POST's server span (a context manager)."""
+        attributes = {"http.request.method": "POST", "url.path": path}
+        attributes |= {"dynabatch.stream": stream, "gen_ai.request.model": model}
+        return tracing.request_span(self.tracer, f"POST {path}", attributes, kind="SERVER")
+
+    def ignored_header(self, body: Any) -> dict[str, str]:
+        """The response header naming the body's unknown fields (logged once each), or a 400
+        naming the first."""
         ignored = body.ignored_fields()
         if ignored and self.args.api.unknown_fields == "reject":
             raise OpenAIError(400, f"{ignored[0]}: unknown or unsupported field", param=ignored[0])
         self.ignored.note(ignored)
-        return ignored
+        return {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
 
     def _prepare(self, endpoint: str, body: Body, lora: tuple[str, str] | None) -> Prepared:
         """`lora`: the LoRA adapter `body.model` names (name, directory), or None."""

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.errors import InvalidParam
-from serve_app import tracing
-from serve_app.api_policy import IGNORED_FIELDS_HEADER
 from serve_app.chat_deltas import ChatDeltas, whole_message
 from serve_app.errors import OpenAIError
 from serve_app.responses import Choice, merged
@@ -37,7 +35,7 @@ from serve_app.streaming import Prepared, closing, runs_response
 if TYPE_CHECKING:
     from serve_app.ingress import OpenAIIngress
 
-ENDPOINT = "responses"
+ENDPOINT, ENDPOINT_PATH = "responses", "/v1/responses"
 # How often a background response asks the store whether a cancel came (through any replica).
 CANCEL_POLL_S = 0.5
 
@@ -63,18 +61,12 @@ class ResponsesService:
 
     # ------------------------------------------------------------------------ routes
     async def create(self, body: ResponsesRequest) -> Response:
-        ingress, path = self.ingress, "/v1/responses"
-        attributes = {"http.request.method": "POST", "url.path": path}
-        attributes |= {"dynabatch.stream": body.stream, "gen_ai.request.model": body.model}
+        ingress = self.ingress
         with contextlib.ExitStack() as scope:
-            span = scope.enter_context(
-                tracing.request_span(ingress.tracer, f"POST {path}", attributes, kind="SERVER")
-            )
+            span = scope.enter_context(ingress.request_span(ENDPOINT_PATH, body.model, body.stream))
             headers = {}
             try:
-                ignored = ingress._ignored(body)
-                if ignored:
-                    headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+                headers = ingress.ignored_header(body)
                 turn = await self._prepare(body)
                 prep = turn.prep
                 if body.background:

@@ -12,11 +12,12 @@ goes first to the least loaded replica that holds the adapter in a slot (its
 `max_imbalance`; elsewhere the replica loads it.
 
 A call with a `replica_id` keyword (an ingress subscribing to its delta channel at one engine
-replica, serve_app.delta_channel) goes to that replica only. Serve's FIFOMixin hands a choice
-to the oldest waiting request; here a choice goes to the request it was made for (its prefix,
-its target) while that one still waits, and only otherwise to the oldest. (Serve's non-FIFO
-mode drops such choices instead, and with many requests waiting its routing tasks flooded
-busy replicas with queue-length probes here.)
+replica, serve_app.delta_channel) goes to that replica while this router knows it, and to any
+replica otherwise (which answers that it is not the one asked for). Serve's FIFOMixin hands
+a choice to the oldest waiting request; here a choice goes to the request it was made for
+(its prefix, its target) while that one still waits, and only otherwise to the oldest.
+(Serve's non-FIFO mode drops such choices instead, and with many requests waiting its
+routing tasks flooded busy replicas with queue-length probes here.)
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             return []
         target = pending_request.kwargs.get("replica_id") if pending_request else None
         if target is not None:
-            # An empty answer makes Serve try again later: the replica may not be known yet.
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            # Not (or no longer) one of ours: any replica answers that it is not the one
+            # asked for, and the caller decides. (An empty answer would keep one of Serve's
+            # routing tasks on this request for good; with a replica gone, those it has
+            # left, two per replica, could all be stuck so, and nothing would be routed.)
+            return [pinned or candidate_replicas]
         # Shuffle first so equally loaded replicas share the work.
         ranked = random.sample(candidate_replicas, len(candidate_replicas))
         ranked.sort(key=self.replica_load)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.outputs import RequestOutput, merge_queued
-from serve_app.delta_channel import DeltaChannels, DeltaQueue
+from serve_app.delta_channel import DeltaChannels
+from serve_app.delta_queue import DeltaQueue
 from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.tool_calls import ToolPlan
 
@@ -87,8 +88,11 @@ class RequestStream:
 
     async def deltas(self, first: RequestOutput) -> AsyncIterator[RequestOutput]:
         done = False
-        if self.queue is not None:
-            self.queue.on_overflow = self._not_read(response_task.get())
+        reader = response_task.get()
+        if self.queue is not None and reader is not None:
+            # Only a streamed response waits for its client; a whole one takes every delta
+            # as it comes (ending it here would leave it waiting for deltas dropped).
+            self.queue.on_overflow = self._not_read(reader)
         try:
             yield first
             done = first.finished
@@ -108,7 +112,7 @@ class RequestStream:
                 self.call.cancel()
             self.close()
 
-    def _not_read(self, reader: asyncio.Task | None) -> Callable[[int], None]:
+    def _not_read(self, reader: asyncio.Task) -> Callable[[int], None]:
         """What ends the request once its client stops reading: the engine request is
         aborted, and `reader` (the task running its streamed response, waiting on a send the
         client does not take) is cancelled, which closes the connection."""
@@ -121,8 +125,7 @@ class RequestStream:
             )
             self.call.cancel()
             self.close()
-            if reader is not None:
-                reader.cancel()
+            reader.cancel()
 
         return overflow
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -47,25 +51,34 @@ def chaos_app(serve_cluster: ServeCluster) -> Iterator[str]:
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(16)]
 MAX_TOKENS = 400
+READ_TIMEOUT_S = 180.0
 
 
 async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]:
     """PROMPTS[:12] streamed and PROMPTS[12:] whole, greedy; returns their texts. With `kill`,
-    set it once every stream has its first tokens."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    set it once every stream has its first two chunks."""
+    # A stream that stops for READ_TIMEOUT_S fails (its error shows) rather than hang its test.
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=READ_TIMEOUT_S
+    )
     kwargs = dict(model="tiny", max_tokens=MAX_TOKENS, temperature=0)
     kwargs["extra_body"] = {"ignore_eos": True}
     started = 0
 
     async def streamed(prompt: str) -> str:
         nonlocal started
-        text, counted = [], False
-        async for chunk in await client.completions.create(prompt=prompt, stream=True, **kwargs):
-            text.append(chunk.choices[0].text)
-            if not counted and len(text) >= 4:
-                counted, started = True, started + 1
-                if kill is not None and started == 12:
-                    kill.set()
+        text, counted, request_id = [], False, None
+        try:
+            stream = await client.completions.create(prompt=prompt, stream=True, **kwargs)
+            async for chunk in stream:
+                text.append(chunk.choices[0].text)
+                request_id = chunk.id
+                if not counted and len(text) >= 2:  # the rest comes through its delta channel
+                    counted, started = True, started + 1
+                    if kill is not None and started == 12:
+                        kill.set()
+        except openai.APIError as exc:  # which request, for the server's logs
+            raise AssertionError(f"{request_id} failed after {len(text)} chunks: {exc!r}") from exc
         return "".join(text)
 
     async def whole(prompt: str) -> str:
@@ -96,9 +109,43 @@ async def run_with_fault(base_url: str, fault: Callable[[], None]) -> list[str]:
     return await task
 
 
+def sequences_resumed(app_url: str) -> float:
+    """The app's count of sequences resumed at another replica (its /metrics)."""
+    metrics = httpx.get(f"{app_url}/metrics", timeout=10).text
+    for line in metrics.splitlines():
+        if line.startswith("dynabatch_sequences_resumed_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def differences(texts: list[str], expected: list[str]) -> list[dict[str, int]]:
+    """Where each text that differs from its expected one first does (for a failure's message)."""
+    found = []
+    for i, (text, want) in enumerate(zip(texts, expected, strict=True)):
+        if text != want:
+            at = len(os.path.commonprefix([text, want]))
+            found.append({"request": i, "at": at, "len": len(text), "expected_len": len(want)})
+    return found
+
+
+STAGE = "[stage] "
+
+
+def stage(text: str) -> None:
+    """A harness's progress on its stderr (what a timeout's message shows)."""
+    print(f"{STAGE}{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
 def run_json(command: list[str], cwd: Path, timeout: float) -> dict[str, Any]:
     """Run a harness that prints one JSON object last (a Ray cluster of its own in its own
     process); its result, once it exited 0."""
-    run = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    try:
+        run = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # where it stopped shows in its last lines
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else ""
+        stages = "\n".join(line for line in stderr.splitlines() if line.startswith(STAGE))
+        raise AssertionError(
+            f"timed out after {timeout:g} s:\n{stages}\n{stderr[-2000:]}"
+        ) from None
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -105,7 +105,7 @@ def main(scenario: str) -> dict:
 
     from serve_app import build_app
     from serve_app.local_cluster import free_port
-    from tests.chaos.conftest import chaos_args, run_all, run_with_fault
+    from tests.chaos.conftest import chaos_args, differences, run_all, run_with_fault
     from tests.conftest import tiny_model_dir
 
     store = 128 << 20
@@ -139,7 +139,9 @@ def main(scenario: str) -> dict:
         texts = asyncio.run(run_with_fault(f"{base}/v1", remove))
         result["seconds_after_kill"] = round(time.monotonic() - started, 1)
         result["completed"] = len(texts)
-        result["equal"] = texts == asyncio.run(run_all(f"{base}/v1"))
+        expected = asyncio.run(run_all(f"{base}/v1"))
+        result["equal"] = texts == expected
+        result["differences"] = differences(texts, expected)
         after = _replicas(handle, 2, 90)  # Serve replaces the lost replica on the survivor
         result["replicas_after"] = len(after)
         survivor = workers.index(next(w for w in workers if w is not victim))

@@ -3,10 +3,11 @@
 The head (ingress, Serve's proxy) and worker A are raylets of this process
 (ray.cluster_utils) at 10.231.N.1; worker B is `ray start --block` inside a network namespace
 of its own at 10.231.N.2, joined to the root namespace by a veth pair. One engine replica runs
-on each worker; once every stream has its first tokens, B's link goes down (its processes
-live on, unreachable). Serve's health checks find B's replica unresponsive and it is stopped;
-the requests it held resume at A's replica (Ray's own node health checks, left at their
-defaults, declare B dead later). Needs root (ip netns).
+on each worker; once B's replica decodes its share of the requests, B's link goes down (its
+processes live on, unreachable; requests not yet sent may go to B after). If Serve's router
+sent B none, they run again (up to 3 times). Serve's health checks find B's replica
+unresponsive and it is stopped; the requests it held resume at A's replica (Ray's own node
+health checks, left at their defaults, declare B dead later). Needs root (ip netns).
 
 Run as `python -m tests.chaos.netns_node`; prints one JSON object.
 """
@@ -77,10 +78,6 @@ def _pids_under(root: int) -> set[int]:
         return set()
 
 
-def _stage(text: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
-
-
 def main() -> dict:
     os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
@@ -90,7 +87,13 @@ def main() -> dict:
 
     from serve_app import build_app
     from serve_app.local_cluster import free_port
-    from tests.chaos.conftest import chaos_args, run_all, run_with_fault
+    from tests.chaos.conftest import (
+        chaos_args,
+        differences,
+        run_all,
+        sequences_resumed,
+        stage,
+    )
     from tests.conftest import tiny_model_dir
 
     netns, host_link, host_ip, ns_ip = make_netns(os.getpid())
@@ -120,39 +123,74 @@ def main() -> dict:
         serve.run(build_app(chaos_args(tiny_model_dir(), **LAYOUT)), name="ns", route_prefix="/ns")
         base = f"http://127.0.0.1:{port}/ns"
         handle = serve.get_deployment_handle("EngineServer", app_name="ns")
-        _stage("app ready")
+        stage("app ready")
         before = _replicas(handle, 2, 60)
-        on_b = [s["pid"] in _pids_under(node_b.pid) for s in before.values()]
-        result["one_replica_per_worker"] = sorted(on_b) == [False, True]
+        on_b = {rid for rid, s in before.items() if s["pid"] in _pids_under(node_b.pid)}
+        result["one_replica_per_worker"] = len(before) == 2 and len(on_b) == 1
         cut_at: list[float] = []
 
-        def cut() -> None:
-            _ip("link", "set", host_link, "down")
-            cut_at.append(time.monotonic())
-            _stage("link cut")
+        def decoding_at_b() -> int:
+            (rid,) = on_b
+            stats = handle.stats.remote(replica_id=rid).result(timeout_s=10)
+            return stats["num_decoding"] if stats["replica_id"] == rid else 0
 
-        texts = asyncio.run(run_with_fault(f"{base}/v1", cut))
-        result["seconds_after_cut"] = round(time.monotonic() - cut_at[0], 1)
-        _stage("requests done")
+        async def run_and_cut() -> list[str]:
+            """The requests, and B's link cut once B's replica decodes some of them (not
+            once every stream started: B may finish its share before A's streams start)."""
+            run = asyncio.create_task(run_all(f"{base}/v1"))
+            while not run.done():
+                if await asyncio.to_thread(decoding_at_b):
+                    _ip("link", "set", host_link, "down")
+                    cut_at.append(time.monotonic())
+                    stage("link cut")
+                    break
+                await asyncio.sleep(0.1)
+            return await run
+
+        for _ in range(3):  # Serve's router may send them all to A
+            texts = asyncio.run(run_and_cut())
+            if cut_at:
+                break
+            stage("no request decoding at B's replica: running them again")
+        result["cut"] = bool(cut_at)
+        result["seconds_after_cut"] = round(time.monotonic() - cut_at[0], 1) if cut_at else None
+        stage("requests done")
         result["completed"] = len(texts)
+        result["resumed"] = sequences_resumed(base)
         result["node_b_dead"] = not any(
             n["Alive"] for n in ray.nodes() if n["NodeManagerAddress"] == ns_ip
         )
-        result["equal"] = texts == asyncio.run(run_all(f"{base}/v1"))
+        expected = asyncio.run(run_all(f"{base}/v1"))
+        stage("undisturbed run done")
+        result["equal"] = texts == expected
+        result["differences"] = differences(texts, expected)
         after = _replicas(handle, 2, 90)
         result["replicas_after"] = len(after)
+        stage("replicas back")
         result["blocks_free"] = all(s["num_used_blocks"] == 0 for s in after.values())
         result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
+    except BaseException:  # what the replicas hold, for the failure's message
+        keys = ("num_running", "num_waiting", "num_used_blocks", "num_streams", "num_channels")
+        with contextlib.suppress(Exception):
+            for rid, got in _replicas(handle, 3, 15).items():
+                held = {k: got.get(k) for k in keys}
+                stage(f"replica {rid}: {held}")
+        raise
     finally:
+        stage("shutting down")
         try:
             serve.shutdown()
+            stage("serve down")
             ray.shutdown()
+            stage("ray down")
         finally:
             remove_netns(netns, host_link)  # node B's processes too
             if node_b is not None:
                 node_b.wait()
+            stage("netns down")
             if cluster is not None:
                 cluster.shutdown()
+        stage("shut down")
     return result
 
 

@@ -19,19 +19,10 @@ import httpx
 import openai
 import pytest
 
-from tests.chaos.conftest import APP, engine_replica_stats, run_all
+from tests.chaos.conftest import APP, engine_replica_stats, run_all, sequences_resumed
 from tests.local_serve import ServeCluster
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _resumed(serve_cluster: ServeCluster) -> float:
-    """The chaos app's count of sequences resumed at another replica."""
-    metrics = httpx.get(f"{serve_cluster.base_url}/{APP}/metrics", timeout=10).text
-    for line in metrics.splitlines():
-        if line.startswith("dynabatch_sequences_resumed_total{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _free_everywhere(serve_cluster: ServeCluster, timeout: float = 90.0) -> None:
@@ -55,7 +46,8 @@ async def _disturbed(
     base_url = serve_cluster.v1(APP)
     stats = await asyncio.to_thread(engine_replica_stats, serve_cluster)
     victim = min(stats.values(), key=lambda s: s["replica_id"])
-    resumed_before = _resumed(serve_cluster)
+    app_url = f"{serve_cluster.base_url}/{APP}"
+    resumed_before = sequences_resumed(app_url)
     kill = asyncio.Event()
     run = asyncio.create_task(run_all(base_url, kill))
     await kill.wait()
@@ -67,7 +59,7 @@ async def _disturbed(
         assert after.choices[0].finish_reason in ("stop", "length")
         after_s = time.monotonic() - signalled
         texts = await run
-        assert _resumed(serve_cluster) > resumed_before  # the victim was serving some
+        assert sequences_resumed(app_url) > resumed_before  # the victim was serving some
         return texts, time.monotonic() - signalled, after_s
     finally:
         if sig == signal.SIGSTOP:  # Serve has replaced it by now; if not, let it go on

@@ -24,7 +24,7 @@ pytestmark = [
 
 def test_a_node_cut_off_from_the_network_loses_no_request():
     result = run_json([sys.executable, "-m", "tests.chaos.netns_node"], REPO, 580)
-    assert result["one_replica_per_worker"], result
-    assert result["completed"] == 16 and result["equal"], result
+    assert result["one_replica_per_worker"] and result["cut"], result
+    assert result["completed"] == 16 and result["equal"] and result["resumed"] > 0, result
     assert result["replicas_after"] == 2 and result["blocks_free"], result
     assert result["cluster_after_s"] is not None, result
