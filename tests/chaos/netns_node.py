@@ -172,7 +172,7 @@ def main() -> dict:
     except BaseException:  # what the replicas hold, for the failure's message
         keys = ("num_running", "num_waiting", "num_used_blocks", "num_streams", "num_channels")
         with contextlib.suppress(Exception):
-            for rid, got in _replicas(handle, 3, 15).items():
+            for rid, got in _replicas(handle, 2, 15).items():
                 held = {k: got.get(k) for k in keys}
                 stage(f"replica {rid}: {held}")
         raise
