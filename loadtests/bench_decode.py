@@ -55,7 +55,7 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
         scheduler=SchedulerConfig(
             max_num_seqs=args.batch,
             max_num_batched_tokens=max(2048, args.prompt_len),
-            max_model_len=args.prompt_len + total_steps + 8,
+            max_model_len=args.prompt_len + total_steps + args.batch + 8,
         ),
         **settings,
     )
@@ -66,11 +66,33 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
         "frequency_penalty": args.frequency_penalty,
         "logprobs": args.logprobs,
     }
+    run = steady_decode(engine, prompts, args.warmup_steps, args.steps, sampling)
+    engine.close()
+    return run
+
+
+def steady_decode(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    warmup_steps: int,
+    steps: int,
+    sampling: dict | None = None,
+    tag: str = "",
+) -> dict:
+    """`prompts` decoding together on `engine` (which must admit them all at once and hold
+    each prompt plus `warmup_steps + steps + len(prompts) + 1` tokens): after every prefill
+    and `warmup_steps` decode steps, `steps` steps timed, then the requests are aborted.
+    Returns tokens/s, the time of a step, the device's idle share and the share of steps
+    launched before the previous one was collected; `tokens` by request."""
+    batch = len(prompts)
+    ids = [f"{tag}{i}" for i in range(batch)]
+    # Requests prefilled early decode while the others prefill (at most a step each): none
+    # may end before the timed steps do, or their batch would shrink under the clock.
+    max_tokens = 1 + warmup_steps + steps + batch
     for i, prompt in enumerate(prompts):
-        # The first token comes with the prefill; then warm-up steps, then the measured ones.
-        params = SamplingParams(max_tokens=1 + total_steps, ignore_eos=True, seed=i, **sampling)
-        engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **(sampling or {}))
+        engine.add_request(ids[i], prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
 
     def step() -> int:
         outputs = engine.step()
@@ -79,30 +101,43 @@ def run_variant(model_dir: str, args, settings: dict, prompts: list[list[int]]) 
         return sum(len(out.new_token_ids) for out in outputs)
 
     # Prefill everything, then a few decode steps to warm up.
-    while engine.stats().num_decoding < args.batch:
+    while engine.stats().num_decoding < batch:
         step()
-    for _ in range(args.warmup_steps):
+    for _ in range(warmup_steps):
         step()
     clock = engine.runner.device_clock
-    if args.device == "cuda":
+    if engine.config.device == "cuda":
         torch.cuda.synchronize()
     busy_before, start, produced = clock.seconds, time.perf_counter(), 0
     steps_before = engine.scheduler.num_steps_total
     continued_before = engine.core.num_continuations
-    while engine.has_unfinished_requests():  # every request ends in the same step
+    for _ in range(steps):
         produced += step()
     wall = time.perf_counter() - start
     busy = clock.seconds - busy_before
     num_steps = engine.scheduler.num_steps_total - steps_before
     continued = engine.core.num_continuations - continued_before
-    engine.close()
+    engine.abort(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
     return {
         "tok_s": produced / wall,
-        "step_ms": 1e3 * wall * args.batch / produced,
+        "step_ms": 1e3 * wall * batch / produced,
         "device_idle_frac": max(0.0, 1.0 - busy / wall),
         "launched_ahead_frac": continued / max(num_steps, 1),
-        "tokens": tokens,
+        "tokens": {rid.removeprefix(tag): t for rid, t in tokens.items()},
     }
+
+
+def same_tokens(runs: list[dict[str, list[int]]]) -> bool:
+    """Whether the runs' tokens agree, each request's up to the fewest any run has (a run
+    that launched a step ahead has one step more when its requests are aborted)."""
+    first = runs[0]
+    for rid, ours in first.items():
+        n = min(len(run[rid]) for run in runs)
+        if any(run[rid][:n] != ours[:n] for run in runs):
+            return False
+    return True
 
 
 def _median_ms(fn, device: str, repeats: int) -> float:
@@ -192,8 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {
         name: run_variant(model_dir, args, s, prompts) for name, s in variants(args.device).items()
     }
-    first = next(iter(runs.values()))
-    result["outputs_identical"] = all(r["tokens"] == first["tokens"] for r in runs.values())
+    result["outputs_identical"] = same_tokens([r["tokens"] for r in runs.values()])
     for name, run in runs.items():
         for key in ("tok_s", "step_ms", "device_idle_frac", "launched_ahead_frac"):
             result[f"{name}_{key}"] = run[key]

@@ -236,7 +236,7 @@ def parse_slos(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--start-app", default=None, help="deploy.yaml: start it locally first")
@@ -257,27 +257,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None, help="write the result here as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
     opts = parser.parse_args(argv)
     slos = parse_slos(opts.goodput)
     if opts.start_app is None:
         return _bench(opts, opts.url.rstrip("/"), slos)
-    import yaml
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.config import AppArgs
     from serve_app.local_cluster import ingress_url, start_local_serve, stop_local_serve
 
-    with open(opts.start_app) as f:
-        app_args = yaml.safe_load(f)["applications"][0]["args"]
-    overrides = {k: v for o in opts.override for k, v in o.items()}
-    args = AppArgs.model_validate(apply_overrides(app_args, overrides))
+    args = deploy_args(opts.start_app, {k: v for o in opts.override for k, v in o.items()})
     port = start_local_serve(log_level="WARNING")
     try:
         serve.run(build_app(args), name="bench", route_prefix="/")
         return _bench(opts, ingress_url("bench", port), slos)
     finally:
         stop_local_serve()
+
+
+def deploy_args(path: str, overrides: dict[str, Any]):
+    """The first application's validated AppArgs of a deploy.yaml, with dotted overrides."""
+    import yaml
+
+    from serve_app.config import AppArgs
+
+    with open(path) as f:
+        app_args = yaml.safe_load(f)["applications"][0]["args"]
+    return AppArgs.model_validate(apply_overrides(app_args, overrides))
 
 
 def _bench(opts: argparse.Namespace, url: str, slos: dict[str, float]) -> dict[str, Any]:

@@ -15,9 +15,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local_serve(log_level: str = "INFO") -> int:
-    """Start Ray (4 logical CPUs, no dashboard, 256 MB object store) and Serve's HTTP proxy
-    on a free localhost port; returns the port."""
+def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> int:
+    """Start Ray (4 logical CPUs, no dashboard, 256 MB object store; `num_gpus`, or as many
+    as Ray finds) and Serve's HTTP proxy on a free localhost port; returns the port."""
     # Ray's default worker nice level (15) starves replicas next to anything else.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
@@ -32,6 +32,7 @@ def start_local_serve(log_level: str = "INFO") -> int:
 
     ray.init(
         num_cpus=4,
+        num_gpus=num_gpus,
         include_dashboard=False,
         log_to_driver=False,
         object_store_memory=256 << 20,

@@ -2,11 +2,14 @@
 and memory tests (weights only: no tokenizer; they are fed token ids).
 
     python -m engine.model.random_checkpoint --shape llama3-8b --out DIR [--device cuda]
-        [--quant fp8|awq]
+        [--quant fp8|awq] [--tokenizer]
 
 With --quant, the decoder layers' linear weights are written quantized, as random codes and
 scales in the format's layout and config (compressed-tensors FP8 per channel, or AWQ INT4
 with groups of 128): the quantized benchmarks' checkpoints, without quantizing a float one.
+
+With --tokenizer the directory also gets a tokenizer and chat template (the tiny models',
+grown to the shape's vocabulary), so it serves over HTTP like any checkpoint.
 
 Tensors are generated one at a time (on the GPU when asked, which is much faster) and
 written in shards of about 4 GB, as real checkpoints come.
@@ -78,12 +81,17 @@ def make_random_checkpoint(
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
     quant: str | None = None,
+    tokenizer: bool = False,
 ) -> Path:
     """Write the checkpoint (skipped if `out` already holds one) and return its path."""
     out = Path(out)
     if (out / "config.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        from engine.model.tiny_model import padded_tokenizer
+
+        padded_tokenizer(SHAPES[shape]["vocab_size"]).save_pretrained(out)
     cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama")
     cfg |= {"rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -164,9 +172,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quant", choices=sorted(QUANT_CONFIGS), default=None)
+    parser.add_argument("--tokenizer", action="store_true", help="add a tokenizer (serving)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    path = make_random_checkpoint(args.out, args.shape, dtype, args.device, quant=args.quant)
+    path = make_random_checkpoint(
+        args.out, args.shape, dtype, args.device, quant=args.quant, tokenizer=args.tokenizer
+    )
     print(f"wrote {args.shape} checkpoint to {path}")
 
 

@@ -10,6 +10,7 @@ model. Weights and tokenizer are the same for the same arguments.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +184,6 @@ def _corpus(seed: int, num_words: int = 120_000) -> list[str]:
 
 def build_tokenizer(vocab_size: int, seed: int = 0):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -197,6 +197,26 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer reached {tok.get_vocab_size()} of {vocab_size} tokens")
+    return _wrapped(tok)
+
+
+def padded_tokenizer(vocab_size: int, trained: int = 16384, seed: int = 0):
+    """The tiny models' tokenizer (`trained` BPE tokens) grown to `vocab_size` ids for a
+    checkpoint with a real model's vocabulary: ids past the trained ones are tokens no merge
+    produces (prompts never hold them) that decode to " t<id>" (what a random model says)."""
+    from tokenizers import Tokenizer
+
+    tok = build_tokenizer(trained, seed)._tokenizer
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(trained, vocab_size):
+        vocab[f"\u0120t{i}"] = i  # "Ġ": the byte-level alphabet's space
+    return _wrapped(Tokenizer.from_str(json.dumps(data)))
+
+
+def _wrapped(tok):
+    from transformers import PreTrainedTokenizerFast
+
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,

@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 # The CPU rule when kv_cache_bytes is null: host memory has no fraction to take.
 CPU_KV_CACHE_BYTES = 1 << 30
 _GIB = float(1 << 30)
+# What the real decode-graph capture (over the full cache) holds beyond the one-block
+# measurement of measure_graph_bytes: a few MiB on Hopper GPUs, its cause not yet pinned
+# down (reports/notebook.md); without it the largest step ran a few MB past the fraction.
+_GRAPH_CAPTURE_SLACK = 16 << 20
 
 
 def num_cache_blocks(
@@ -64,6 +68,7 @@ def kv_cache_budget(
     graphs = 0
     if graph_rows:
         graphs = measure_graph_bytes(runner, scheduler.max_num_seqs, max_model_len, graph_rows)
+        graphs += _GRAPH_CAPTURE_SLACK
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * cache.gpu_memory_fraction) - weights - peak - graphs
     logger.info(

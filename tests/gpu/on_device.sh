@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and figures (tests/gpu, bench_decode, bench_engine) on a lent GPU machine,
 # one stage per call of the `device` tool, each well inside a call's 10 minutes:
+#   bash tests/gpu/on_device.sh headline  # every figure a GPU user asks first, at most 540 s
+#                                         # (loadtests/headline): a GPU machine's first call
 #   bash tests/gpu/on_device.sh tests   # tests/gpu
 #   bash tests/gpu/on_device.sh small   # steady decode and the whole workload, small model
 #   bash tests/gpu/on_device.sh 8b      # the same on an 8B-shaped random checkpoint
@@ -13,7 +15,8 @@
 # That machine's image holds torch, triton, transformers, pytest and pytest-xdist: the
 # checkout runs from PYTHONPATH. What it lacks (xgrammar) travels as wheels: run
 # `bash tests/gpu/device_wheels.sh` here once and name `.whl` in `carry`; they are installed
-# under /tmp/site there (without them the grammar test skips). Each step's log (JSON last) goes to $OUT/<step>.log and its
+# under /tmp/site there (without them the grammar test skips; without serving-site.tar.xz,
+# Ray Serve and the rest of the app, the headline's HTTP step fails). Each step's log (JSON last) goes to $OUT/<step>.log and its
 # tail to the output; a failing step does not stop the next.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -52,6 +55,10 @@ figures() {  # figures TAG MODEL HF_BATCH_SIZES
     done
 }
 
+if [ -f .whl/serving-site.tar.xz ]; then
+    mkdir -p /tmp/site && tar -xJf .whl/serving-site.tar.xz -C /tmp/site
+    export PYTHONPATH=$PWD:/tmp/site
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
@@ -59,6 +66,11 @@ fi
 "$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available() and \
 torch.cuda.get_device_name())"
 case ${1:-} in
+    headline)
+        # Its own budget by construction (each step's timeout; they add up to 540 s).
+        "$PY" -m loadtests.headline --device "$DEVICE" --dtype "$DTYPE" --out "$OUT" \
+            --work /tmp/headline-steps ${QUICK:+--quick} ${ONLY:+--only "$ONLY"}
+        ;;
     tests)
         step prebuild 120 "$PY" tests/gpu/prebuild_models.py
         # Alone: it measures the GPU's memory, which parallel workers would share.
@@ -103,5 +115,5 @@ case ${1:-} in
         step lora-small 400 "$PY" -m loadtests.bench_lora --model small --device "$DEVICE" \
             --dtype "$DTYPE" --repeat 2 --json
         ;;
-    *) echo "usage: $0 tests|small|8b|quant|spec|lora" >&2 && exit 2 ;;
+    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora" >&2 && exit 2 ;;
 esac
