@@ -236,7 +236,7 @@ class Scheduler:
         self.steps.executed(seconds)
         if self.speculator is not None and self.steps.last_decode_only:
             out = scheduler_output
-            self.speculator.observe_step(out.num_batched_tokens, seconds, out.num_draft_tokens > 0)
+            self.speculator.observe_step(out.num_batched_tokens, seconds, out.num_draft_tokens)
 
     # ---------------------------------------------------------------------- inspection
     def stats(self) -> SchedulerStats:

@@ -11,13 +11,20 @@ step's switch to verification, and where steps cost by whole tiles of tokens (th
 native GEMM streams the weights once per 16 tokens) for the tile it opens, which the drafts
 after it fill nearly for free. Speculation turns itself off in large batches and at low
 acceptance, where verifying costs more than it saves.
+
+The model can be wrong on a given host (a drafted step leaves a fast decode path it does not
+see), so what drafting really brought is checked after the fact: before drafting at a batch
+size, a plain step is measured there, and the DraftLedger (engine/core/draft_ledger.py) stops
+drafting for a while at any batch size where drafted steps did not beat plain ones.
 """
 
 from __future__ import annotations
 
+import math
 from heapq import heapify, heappop, heappush
 
 from engine.core.config import SpeculativeConfig
+from engine.core.draft_ledger import DraftLedger
 from engine.core.ngram_proposer import NgramProposer, Proposer
 from engine.core.outputs import SpecDecodeStats
 from engine.core.request import Request
@@ -35,6 +42,11 @@ REPLICA_DECAY = 0.99
 # A draft must bring this much more than it costs: step times are measured with noise and
 # read beyond the sizes measured, and a draft that only breaks even is not worth the risk.
 MARGIN = 1.25
+# A drafted step is at most this many times the larger of its rows and the largest drafted
+# step measured (and at least one tile more than its rows): beyond what was measured the
+# model reads step times flat, so it may step a quarter octave into the unknown at a time,
+# each step measuring the next (and scored by the ledger), never a leap.
+GROWTH = 1.25
 
 
 class Speculator:
@@ -52,6 +64,10 @@ class Speculator:
         self._replica = [0.0, 0.0]  # [accepted, tried], decayed
         self._drafts: dict[str, list[int]] = {}  # this step's, by request id
         self._num_steps = 0
+        self.ledger = DraftLedger()
+        # The last drafted decode step, (rows, seconds), until its verified rows are in.
+        self._drafted_step: tuple[int, float] | None = None
+        self._accepted_since = 0  # accepted drafts verified since that step
         # The adaptive rule found no draft worth its step among requests that all decode
         # (not a pause to measure), or the batch is over disable_by_batch_size: the next
         # step, with the same requests, may be scheduled before this one's tokens are in
@@ -64,13 +80,19 @@ class Speculator:
         model runs them as one batch), before the scheduler takes them row by row."""
         self._num_steps += 1
         self._drafts = {}
+        self._settle_drafted_step()
         limit = self.config.disable_by_batch_size
         over_limit = limit is not None and len(running) > limit
         wanted, settled = self._eligible(running) if not over_limit else ([], True)
         quiet = over_limit
         if wanted and self.config.adaptive:
-            pause = not self.times.ready or self._num_steps % EXPLORE_EVERY == 0
-            wanted = self._adapted(len(running), wanted)
+            times, n = self.times, len(running)
+            pause = (
+                not times.ready
+                or self._num_steps % EXPLORE_EVERY == 0
+                or not times.plain.measured(n)
+            )
+            wanted = self._adapted(n, wanted)
             if not wanted:
                 self.stats.num_steps_off += 1
                 quiet = settled and not pause
@@ -96,6 +118,7 @@ class Speculator:
         stats.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
+        self._accepted_since += num_accepted
         tried = num_accepted + (num_accepted < num_drafts)  # drafts up to the first miss
         rate = self._rates.setdefault(request_id, [0.0, 0.0])
         rate[0] = REQUEST_DECAY * rate[0] + num_accepted
@@ -104,9 +127,14 @@ class Speculator:
         replica[0] = REPLICA_DECAY * replica[0] + num_accepted
         replica[1] = REPLICA_DECAY * replica[1] + tried
 
-    def observe_step(self, num_tokens: int, seconds: float, drafted: bool) -> None:
-        """A decode step (no prefill chunk) of `num_tokens` tokens took `seconds`; `drafted`:
-        some of its rows verified drafts."""
+    def observe_step(self, num_tokens: int, seconds: float, num_drafts: int) -> None:
+        """A decode step (no prefill chunk) of `num_tokens` tokens, `num_drafts` of them
+        drafts, took `seconds`. Its rows are verified after this (the ledger's score waits
+        for them)."""
+        drafted = num_drafts > 0
+        if drafted and self.times.plain.num_bands:
+            self._drafted_step = (num_tokens - num_drafts, seconds)
+            self._accepted_since = 0
         self.times.observe(num_tokens, seconds, drafted)
 
     def forget(self, request_id: str) -> None:
@@ -114,6 +142,15 @@ class Speculator:
         self.proposer.forget(request_id)
 
     # ------------------------------------------------------------------------ helpers
+    def _settle_drafted_step(self) -> None:
+        """Score the last drafted step in the ledger, its verified rows now counted."""
+        if self._drafted_step is None:
+            return
+        rows, seconds = self._drafted_step
+        self._drafted_step = None
+        plain = self.times.plain_seconds(rows)
+        self.ledger.record(rows, rows + self._accepted_since, seconds, plain, self._num_steps)
+
     def acceptance(self, request_id: str) -> float:
         """A request's estimated chance that a draft counts: its own recent drafts, pulled
         toward the replica's rate (itself pulled toward the prior) while it has few."""
@@ -149,6 +186,10 @@ class Speculator:
             return [(eligible[0][0], 1)] if times.plain.num_bands else []
         if self._num_steps % EXPLORE_EVERY == 0:  # measure a plain step
             return []
+        if not times.plain.measured(n):  # a batch size new to plain steps: measure it first
+            return []
+        if not self.ledger.allows(n, self._num_steps):  # drafts lost here lately
+            return []
         plan = self._plan(n, eligible)
         return [(r, plan[r.request_id]) for r, _ in eligible if r.request_id in plan]
 
@@ -168,15 +209,17 @@ class Speculator:
         heap = [(-p, 1, rid, p, cap) for p, rid, cap in rates if p > 0]
         heapify(heap)
         tile = self.times.tile
+        known = max(self.times.excess.largest(), n)
+        most_drafts = max(math.ceil(GROWTH * known), n + tile) - n
         order: list[str] = []
         tokens, best, best_d, last = float(n), n / plain, 0, None
-        while heap:
+        while heap and len(order) < most_drafts:
             gain, j, rid, p, cap = heappop(heap)
             if j < cap:
                 heappush(heap, (gain * p, j + 1, rid, p, cap))
             order.append(rid)
             tokens -= gain
-            if (n + len(order)) % tile and heap:
+            if (n + len(order)) % tile and heap and len(order) < most_drafts:
                 continue  # a step costs by whole tiles: priced where one is full
             score = tokens / cost(n + len(order))
             if score > best:

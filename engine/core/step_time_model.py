@@ -24,10 +24,7 @@ class StepTimeModel:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         num_tokens = self.rounded(num_tokens)
-        tiles = num_tokens // self.tile
-        band = (
-            (0, tiles) if self.tile > 1 and tiles <= 16 else (1, round(4 * math.log2(num_tokens)))
-        )
+        band = self._band(num_tokens)
         entry = self._bands.get(band)
         if entry is None:
             self._bands[band] = [float(num_tokens), seconds]
@@ -36,6 +33,16 @@ class StepTimeModel:
             entry[1] += (1 - self.decay) * (seconds - entry[1])
         self._points = None
 
+    def measured(self, num_tokens: int) -> bool:
+        """Whether steps of `num_tokens` tokens' band have been measured."""
+        return self._band(self.rounded(num_tokens)) in self._bands
+
+    def _band(self, num_tokens: int) -> tuple[int, int]:
+        tiles = num_tokens // self.tile
+        if self.tile > 1 and tiles <= 16:
+            return (0, tiles)
+        return (1, round(4 * math.log2(num_tokens)))
+
     def rounded(self, num_tokens: float) -> int:
         """`num_tokens` up to whole tiles (at least one)."""
         return max(1, -(-math.ceil(num_tokens) // self.tile)) * self.tile
@@ -43,6 +50,10 @@ class StepTimeModel:
     @property
     def num_bands(self) -> int:
         return len(self._bands)
+
+    def largest(self) -> float:
+        """The largest step size measured (its band's mean; 0 before any)."""
+        return max((n for n, _ in self._bands.values()), default=0.0)
 
     def seconds_within(self, num_tokens: float) -> float:
         """As `seconds`, but flat above the largest size measured (needs one band)."""

@@ -5,6 +5,7 @@ and the counters /metrics reads."""
 from __future__ import annotations
 
 from engine.core.config import SchedulerConfig, SpeculativeConfig
+from engine.core.draft_ledger import FIRST_COOLDOWN, JUDGE_AFTER, DraftLedger
 from engine.core.fixed_proposers import ReplayProposer
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer
@@ -64,7 +65,7 @@ def _speculator(
     spec = Speculator(SpeculativeConfig(enabled=True, num_speculative_tokens=4))
     for points, kind in ((plain, False), (drafted, True)):
         for n, seconds in points.items():
-            spec.observe_step(n, seconds, kind)
+            spec.observe_step(n, seconds, 1 if kind else 0)
     for rid, p in rates.items():  # twenty verifications of four drafts at that acceptance
         for _ in range(20):
             spec.verified(rid, 4, 4 if p == 1.0 else round(p / (1 - p)))
@@ -134,8 +135,8 @@ def test_steps_priced_by_whole_tiles_fill_the_last_tile_with_drafts():
     assert model.seconds(16) == 0.027 and model.seconds(20) == model.seconds(32) == 0.042
     spec = Speculator(SpeculativeConfig(enabled=True), token_tile=16)
     for n, seconds in ((16, 0.027), (32, 0.042), (48, 0.058)):
-        spec.observe_step(n, seconds, False)
-    spec.observe_step(32, 0.0425, True)
+        spec.observe_step(n, seconds, 0)
+    spec.observe_step(32, 0.0425, 15)
     # 17 rows: the 15 drafts that fill the second tile are nearly free, the next tile's not.
     assert sum(spec._plan(17, _batch(17, 0.5, spec)).values()) == 15
 
@@ -215,3 +216,78 @@ def test_drafts_stop_at_max_tokens_and_when_the_budget_is_short():
     short.num_computed_tokens = short.num_tokens - 1
     speculator.begin_step([short])
     assert speculator.drafts(short, 10) == []  # one token left: nothing to draft
+
+
+def test_the_ledger_stops_drafting_where_drafted_steps_lost_and_tries_again_later():
+    ledger = DraftLedger()
+    # Batch 128: plain steps of 128 rows take 100 ms; drafted ones made 150 tokens in 130 ms.
+    for step in (1, 2):
+        ledger.record(128, 150, 0.130, 0.100, step)
+        assert ledger.allows(128, step + 1)  # no verdict before JUDGE_AFTER steps
+    ledger.record(128, 150, 0.130, 0.100, 3)
+    assert not ledger.allows(128, 4) and not ledger.allows(120, 4)  # the band, not the size
+    assert ledger.allows(64, 4) and ledger.allows(1, 4)  # other batch sizes draft on
+    assert ledger.allows(128, 3 + FIRST_COOLDOWN)
+    for step in range(67, 67 + JUDGE_AFTER):  # it lost again: twice as long off
+        ledger.record(128, 150, 0.130, 0.100, step)
+    assert not ledger.allows(128, 69 + 2 * FIRST_COOLDOWN - 1)
+    assert ledger.allows(128, 69 + 2 * FIRST_COOLDOWN)
+    # Batch 1: two tokens a step in about a plain step's time pay, and go on paying.
+    for step in range(1, 20):
+        ledger.record(1, 3, 0.011, 0.010, step)
+    assert ledger.allows(1, 20) and ledger.score(1) > 2
+    # A draft that only breaks even is not worth it.
+    for step in range(1, 1 + JUDGE_AFTER):
+        ledger.record(32, 33, 0.0102, 0.010, step)
+    assert not ledger.allows(32, JUDGE_AFTER + 1)
+
+
+def test_a_host_where_drafted_steps_cost_more_than_modelled_stops_drafting_there():
+    """The step-time model believes drafts are cheap (one cheap drafted step measured); the
+    drafted steps this host really runs are slow: drafting stops there within JUDGE_AFTER
+    drafted steps (the model learns from them, the ledger judges them) and stays off."""
+    spec = _speculator({128: 0.100}, {129: 0.101}, {})
+    batch = [request([1, 2, 3], str(i)) for i in range(128)]
+    for r in batch:
+        r.num_computed_tokens = 2
+    outputs = {str(i): [7] * 100 for i in range(128)}
+    spec.proposer = ReplayProposer(outputs, acceptance=1.0, vocab_size=100)
+    drafted_steps = 0
+    for _ in range(40):
+        spec.begin_step(batch)
+        drafts = sum(len(spec.drafts(r, 10)) for r in batch)
+        if not drafts:
+            spec.observe_step(128, 0.100, 0)
+            continue
+        drafted_steps += 1
+        for r in batch:  # every draft counts, but the step took twice a plain one
+            n = len(spec.drafts(r, 10))
+            if n:
+                spec.verified(r.request_id, n, n)
+        spec.observe_step(128 + drafts, 0.100 * (1 + drafts / 128) * 1.6, drafts)
+    assert 1 <= drafted_steps <= JUDGE_AFTER
+
+
+def test_drafted_steps_grow_a_quarter_octave_past_the_largest_measured():
+    # Plain steps flat to 128 tokens; one drafted step measured, of 33 tokens, nearly free:
+    # the model would draft every row of a batch of 128, but may go only a quarter beyond.
+    spec = _speculator({32: 0.047, 128: 0.050}, {33: 0.047}, {})
+    plan = spec._plan(128, _batch(128, 1.0, spec))
+    assert 0 < sum(plan.values()) <= 160 - 128
+    spec.observe_step(160, 0.051, 32)  # measured there: the next step may go further
+    assert sum(spec._plan(128, _batch(128, 1.0, spec)).values()) <= 200 - 128
+
+
+def test_a_batch_size_new_to_plain_steps_is_measured_before_it_drafts():
+    # Weight-bound: drafted steps up to 128 tokens cost hardly more than a plain one.
+    spec = _speculator({1: 0.020}, {2: 0.0201, 128: 0.0215}, {})
+    spec.proposer = ReplayProposer({str(i): [7] * 40 for i in range(64)}, 1.0, 100)
+    batch = [r for r, _ in _batch(64, 1.0, spec)]
+    for r in batch:
+        r.num_computed_tokens = r.num_tokens - 1  # decoding: its last token to compute
+    spec._num_steps = 1
+    spec.begin_step(batch)
+    assert not any(spec.drafts(r, 10) for r in batch)  # 64 rows: no plain step there yet
+    spec.observe_step(64, 0.021, 0)
+    spec.begin_step(batch)
+    assert any(spec.drafts(r, 10) for r in batch)
