@@ -15,8 +15,6 @@ Each also reports the GPU self-check's verdict on the kernels it uses, part by p
 
 from __future__ import annotations
 
-import os
-import platform
 import random
 import time
 from types import SimpleNamespace
@@ -29,6 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.model.loader import read_spec
 from loadtests import bench_spec
 from loadtests.bench_decode import steady_decode
+from loadtests.cpu_accounting import host_info
 from loadtests.headline.findings import Findings
 from loadtests.headline.plan import FULL, QUICK, Sizes, step_parser
 from loadtests.headline.roofline import copy_bandwidth, decode_bytes, published_bandwidth
@@ -176,9 +175,8 @@ def measure_ngram(engine: LLMEngine, sizes: Sizes, vocab: int, found: Findings) 
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor()} ({os.cpu_count()} cores)"
+    host = host_info()
+    return f"{host['cpu']} ({host['cpus']} cores)"
 
 
 def main(argv: list[str] | None = None) -> None:
