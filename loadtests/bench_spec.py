@@ -33,6 +33,7 @@ import random
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -143,8 +144,22 @@ def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
             "steps_off": stats[0].num_steps_off,
             "requests_changed": sum(len(on["changed"]) for _, on, _ in pairs),
             "near_ties": [tie for _, on, _ in pairs for tie in on["changed"]],
+            **_step_times(warm, batch),
         }
     return rows
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+def _step_times(speculator: Speculator, batch: int) -> dict:
+    """What the adaptive rule decides from, as the speculator has measured it so far: a
+    plain step of `batch` rows and the cheapest drafted one (one draft more)."""
+    times = speculator.times
+    plain = times.plain_seconds(batch) * 1e3 if times.plain.num_bands else None
+    drafted = times.drafted_seconds(batch + 1) * 1e3 if times.ready else None
+    return {"plain_step_ms": plain, "drafted_step_ms": drafted}
 
 
 def _run_on(
@@ -202,7 +217,15 @@ def _reference(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _logit_margin(model_dir: str, tokens: tuple[int, ...]) -> float:
+# A larger float32 reference would take the host minutes to load and run.
+MARGIN_MODEL_BYTES = 2 << 30
+
+
+def _logit_margin(model_dir: str, tokens: tuple[int, ...]) -> float | None:
+    """None where the checkpoint is too large for a reference on the host."""
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    if weights > MARGIN_MODEL_BYTES:
+        return None
     with torch.no_grad():
         logits = _reference(model_dir)(torch.tensor([tokens])).logits[0, -1]
     top = torch.topk(logits, 2).values
@@ -307,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"tok/s (TPOT {row['tpot_ms']:6.2f} ms)  x{row['speedup']:.2f}  "
                 f"accepted {'-' if measured is None else f'{measured:.2f}'}, "
                 f"{row['draft_tokens_per_step']:.1f} drafts/step, "
-                f"{row['requests_changed']} requests changed",
+                f"{row['requests_changed']} requests changed; step {_ms(row['plain_step_ms'])} "
+                f"plain, {_ms(row['drafted_step_ms'])} drafted",
                 flush=True,
             )
     result["ngram"] = [run_ngram(engine, b, args, vocab) for b in

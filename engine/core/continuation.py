@@ -27,7 +27,7 @@ def schedule_continuation(
     # After drafts, how far each request got is not known yet; and a speculator that would
     # draft must see the step's requests first.
     spec = scheduler.speculator
-    if spec is not None and (previous.num_draft_tokens or not spec.quiet):
+    if spec is not None and (previous.num_draft_tokens or not spec.continues()):
         return None
     requests = scheduler.requests
     running = RequestStatus.RUNNING

@@ -16,6 +16,8 @@ class ReplayProposer:
     speculation), each draft replaced by another token with probability 1 - `acceptance`,
     decided by a hash of (request, position): the same drafts every run."""
 
+    dry_means_none_soon = False
+
     def __init__(self, outputs: dict[str, list[int]], acceptance: float, vocab_size: int) -> None:
         self.outputs = outputs
         self.acceptance = acceptance

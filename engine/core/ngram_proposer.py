@@ -11,7 +11,11 @@ from engine.core.request import Request
 class Proposer(Protocol):
     """Drafts the next tokens of requests. `propose` gets (request, k) pairs and returns, in
     their order, at most k token ids each (none where it has nothing to offer); it may keep
-    state per request, dropped by `forget`."""
+    state per request, dropped by `forget`. `dry_means_none_soon`: an answer with no draft for
+    any request says that their text offers none now, and one more token rarely changes that
+    (prompt lookup); not so where it may mean "not yet" (a draft model catching up)."""
+
+    dry_means_none_soon: bool
 
     def propose(self, wanted: list[tuple[Request, int]]) -> list[list[int]]: ...
 
@@ -25,6 +29,8 @@ class NgramProposer:
     Each request's n-grams are indexed as its tokens arrive (each n-gram maps to the position
     after its latest occurrence), so a proposal costs a few dictionary lookups, not a scan.
     """
+
+    dry_means_none_soon = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.sizes = range(max_n, min_n - 1, -1)  # longest first

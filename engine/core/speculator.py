@@ -47,6 +47,11 @@ MARGIN = 1.25
 # model reads step times flat, so it may step a quarter octave into the unknown at a time,
 # each step measuring the next (and scored by the ledger), never a leap.
 GROWTH = 1.25
+# A proposer that found no draft for any row in text that offers none (prompt lookup on text
+# that does not repeat) is not asked again for 1, 2, 4, ... steps, up to this many: asking
+# stops the next step from being scheduled before this one's tokens are in, which a GPU
+# pays for in every step.
+DRY_HOLD_MAX = 16
 
 
 class Speculator:
@@ -72,7 +77,9 @@ class Speculator:
         # (not a pause to measure), or the batch is over disable_by_batch_size: the next
         # step, with the same requests, may be scheduled before this one's tokens are in
         # (engine/core/continuation.py).
-        self.quiet = False
+        self._quiet = False
+        self._num_dry = 0  # proposals in a row that found no draft for any row
+        self._hold = 0  # steps left before the proposer is asked again
 
     # ------------------------------------------------------------------- the scheduler's
     def begin_step(self, running: list[Request]) -> None:
@@ -96,14 +103,34 @@ class Speculator:
             if not wanted:
                 self.stats.num_steps_off += 1
                 quiet = settled and not pause
-        self.quiet = quiet
-        if not wanted:
-            replica = self._replica
-            replica[0] *= REPLICA_DECAY
-            replica[1] *= REPLICA_DECAY
-            return
-        drafts = self.proposer.propose(wanted)
-        self._drafts = {r.request_id: d for (r, _), d in zip(wanted, drafts, strict=True)}
+        if wanted and self._hold > 0:
+            self._hold -= 1
+            wanted = []
+        self._quiet = quiet
+        if wanted:
+            drafts = self.proposer.propose(wanted)
+            self._drafts = {r.request_id: d for (r, _), d in zip(wanted, drafts, strict=True) if d}
+            if self._drafts:
+                self._num_dry = 0
+                return
+            if not self.proposer.dry_means_none_soon:
+                return
+            self._num_dry += 1
+            self._hold = min(2 ** (self._num_dry - 1), DRY_HOLD_MAX)
+        replica = self._replica
+        replica[0] *= REPLICA_DECAY
+        replica[1] *= REPLICA_DECAY
+
+    def continues(self) -> bool:
+        """Whether the next step, with the same requests, may be scheduled before this one's
+        tokens are in: no drafts are wanted in it (and a step so scheduled counts as one
+        that does not ask the proposer)."""
+        if self._quiet:
+            return True
+        if self._hold > 0:
+            self._hold -= 1
+            return True
+        return False
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """This step's drafts for a decoding request whose last token this step computes,

@@ -98,12 +98,16 @@ def make_random_checkpoint(
     gen = torch.Generator(device=generate_on).manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
     size, files = 0, []
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
 
     def flush() -> None:
-        nonlocal shard, size
+        nonlocal shard, size, total_bytes
         name = f"model-{len(files) + 1:05d}.safetensors"
         save_file(shard, str(out / name))
         files.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+        total_bytes += size
         shard, size = {}, 0
 
     if quant is not None:
@@ -124,6 +128,9 @@ def make_random_checkpoint(
             flush()
     if shard:
         flush()
+    # The index lets any loader (transformers too) find each weight's shard.
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     # Last: a directory with config.json is a finished checkpoint.
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -69,6 +69,8 @@ class _Mirror:
 
 
 class DraftModelProposer:
+    dry_means_none_soon = False  # no draft: its copy of a prompt is still being prefilled
+
     def __init__(self, config: EngineConfig, runner, tokenizer) -> None:
         """`runner`: the target's (its vocabulary, block count and context length)."""
         from engine.runner.torch_runner import TorchModelRunner

@@ -137,3 +137,16 @@ def test_online_fp8_peaks_below_the_unquantized_load(big_checkpoint):
     model_dir, size = big_checkpoint
     grown = _grown(model_dir, "fp8")
     assert grown <= 0.85 * size, f"online fp8 took {grown / size:.2f}x the checkpoint's bytes"
+
+
+def test_a_sharded_random_checkpoint_is_one_transformers_loads(big_checkpoint):
+    """Its shards come with the index that names each weight's file, as a published
+    checkpoint's do, so reference tools (transformers) read it too."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, _ = big_checkpoint
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    name = "model.layers.15.mlp.down_proj.weight"
+    with safe_open(str(model_dir / index["weight_map"][name]), framework="pt") as f:
+        assert torch.equal(model.state_dict()[name], f.get_tensor(name))

@@ -17,6 +17,7 @@ from tests.conftest import build_engine
 from tests.engine.oracle import HFOracle
 from tests.engine.test_async_engine import stream_all
 from tests.engine.test_oracle import check_against_oracle, random_prompts, scenario_engine
+from tests.engine.test_speculator import CountingProposer
 
 
 class StepWatch:
@@ -286,3 +287,19 @@ def test_a_speculator_that_drafts_nothing_leaves_steps_launched_ahead(tiny_model
     assert StepWatch(drafting).run(requests).tokens == sync.tokens
     assert drafting.scheduler.stats().spec.num_draft_tokens > 0
     assert drafting.core.num_continuations == 0
+
+
+def test_prompt_lookup_that_finds_nothing_leaves_most_steps_launched_ahead(tiny_model):
+    """Speculation on with a proposer that finds no draft (prompt lookup on text that does
+    not repeat): it is asked rarely, and the steps between are launched ahead as without
+    speculation, with the same tokens."""
+    prompts = random_prompts(seed=7, n=2, max_len=20)
+    requests = {f"r{i}": (prompt, greedy(48)) for i, prompt in enumerate(prompts)}
+    sync = StepWatch(build_engine(tiny_model)).run(requests)
+    engine = build_engine(
+        tiny_model, deferred_steps=True, speculative={"enabled": True, "adaptive": False}
+    )
+    proposer = engine.scheduler.speculator.proposer = CountingProposer({})
+    assert StepWatch(engine).run(requests).tokens == sync.tokens
+    assert len(proposer.asked_at) <= 8
+    assert engine.core.num_continuations >= 30

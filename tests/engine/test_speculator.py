@@ -13,7 +13,7 @@ from engine.core.outputs import ModelRunnerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.speculator import Speculator
+from engine.core.speculator import DRY_HOLD_MAX, Speculator
 from engine.core.step_time_model import StepTimeModel, StepTimes
 
 
@@ -164,6 +164,49 @@ def test_a_replica_whose_drafts_failed_tries_new_requests_again_after_a_while():
     spec._num_steps = 1  # not a step that measures a plain step
     spec.begin_step([fresh])
     assert spec.drafts(fresh, 10)[:1] == [7]
+
+
+class CountingProposer(ReplayProposer):
+    """Replays known tokens, answering as prompt lookup does when they run out."""
+
+    dry_means_none_soon = True
+
+    def __init__(self, outputs: dict[str, list[int]]) -> None:
+        super().__init__(outputs, acceptance=1.0, vocab_size=100)
+        self.asked_at: list[int] = []
+        self.step = 0
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        self.asked_at.append(self.step)
+        return super().propose(wanted)
+
+
+def test_a_proposer_that_found_nothing_rests_longer_each_time_and_drafts_once_it_finds():
+    """Prompt lookup on text that does not repeat finds nothing: asking it costs the GPU its
+    step launched ahead, so after each dry proposal it rests 1, 2, 4, ... steps (at most
+    DRY_HOLD_MAX); once it finds drafts they are used and it is asked every step again."""
+    spec = Speculator(SpeculativeConfig(enabled=True, adaptive=False))
+    spec.proposer = proposer = CountingProposer({})
+    decoding = request([1, 2, 3])
+    decoding.num_computed_tokens = 2
+    for step in range(80):
+        proposer.step = step
+        spec.begin_step([decoding])
+        assert spec.drafts(decoding, 10) == []
+    gaps = [b - a for a, b in zip(proposer.asked_at, proposer.asked_at[1:], strict=False)]
+    assert gaps[:5] == [2, 3, 5, 9, 17] and set(gaps[5:]) == {DRY_HOLD_MAX + 1}
+    proposer.outputs["r"] = [7] * 50
+    for step in range(80, 80 + DRY_HOLD_MAX + 1):
+        proposer.step = step
+        spec.begin_step([decoding])
+    assert spec.drafts(decoding, 10) == [7, 7, 7, 7]
+    asked = len(proposer.asked_at)
+    spec.begin_step([decoding])
+    assert len(proposer.asked_at) == asked + 1 and spec.drafts(decoding, 10)
+    # A rest is also served by steps launched ahead (which do not ask the proposer).
+    proposer.outputs.clear()
+    spec.begin_step([decoding])
+    assert spec.continues() and not spec.continues()
 
 
 def test_lookahead_slots_of_rejected_drafts_go_back_and_are_never_cached():
