@@ -37,7 +37,8 @@ PRIOR_WEIGHT = 2.0  # drafts' worth of the prior in the replica's rate, and of t
 # rate in a request's own estimate
 REQUEST_DECAY = 0.8  # per verification: a request's rate follows its recent drafts
 # Per verification, and per step without drafts: a replica whose drafts failed drifts back
-# to the prior while it drafts nothing, and so tries new requests again now and then.
+# to the prior while it drafts nothing, and so tries new requests again now and then (a
+# request's own record fades at the same pace while it drafts nothing).
 REPLICA_DECAY = 0.99
 # A draft must bring this much more than it costs: step times are measured with noise and
 # read beyond the sizes measured, and a draft that only breaks even is not worth the risk.
@@ -65,7 +66,8 @@ class Speculator:
         self.proposer = proposer
         self.times = StepTimes(token_tile)  # token_tile: see StepTimeModel
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k_max)
-        self._rates: dict[str, list[float]] = {}  # request id -> [accepted, tried], decayed
+        # request id -> [accepted, tried, the step they are as of], decayed
+        self._rates: dict[str, list[float]] = {}
         self._replica = [0.0, 0.0]  # [accepted, tried], decayed
         self._drafts: dict[str, list[int]] = {}  # this step's, by request id
         self._num_steps = 0
@@ -147,9 +149,12 @@ class Speculator:
             stats.accepted_per_position[position] += 1
         self._accepted_since += num_accepted
         tried = num_accepted + (num_accepted < num_drafts)  # drafts up to the first miss
-        rate = self._rates.setdefault(request_id, [0.0, 0.0])
-        rate[0] = REQUEST_DECAY * rate[0] + num_accepted
-        rate[1] = REQUEST_DECAY * rate[1] + tried
+        accepted, past = self._own(request_id)
+        self._rates[request_id] = [
+            REQUEST_DECAY * accepted + num_accepted,
+            REQUEST_DECAY * past + tried,
+            self._num_steps,
+        ]
         replica = self._replica
         replica[0] = REPLICA_DECAY * replica[0] + num_accepted
         replica[1] = REPLICA_DECAY * replica[1] + tried
@@ -183,8 +188,18 @@ class Speculator:
         toward the replica's rate (itself pulled toward the prior) while it has few."""
         accepted, tried = self._replica
         prior = (accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (tried + PRIOR_WEIGHT)
-        own = self._rates.get(request_id, (0.0, 0.0))
-        return (own[0] + PRIOR_WEIGHT * prior) / (own[1] + PRIOR_WEIGHT)
+        own_accepted, own_tried = self._own(request_id)
+        return (own_accepted + PRIOR_WEIGHT * prior) / (own_tried + PRIOR_WEIGHT)
+
+    def _own(self, request_id: str) -> tuple[float, float]:
+        """A request's decayed [accepted, tried], faded as the replica's are for each step
+        since its last verification: a request whose few drafts failed is tried again
+        after a while, as a new one would be, not written off for its whole life."""
+        rate = self._rates.get(request_id)
+        if rate is None:
+            return 0.0, 0.0
+        fade = REPLICA_DECAY ** (self._num_steps - rate[2])
+        return rate[0] * fade, rate[1] * fade
 
     def _eligible(self, running: list[Request]) -> tuple[list[tuple[Request, int]], bool]:
         """The decoding requests that may draft this step, with the most drafts each may;

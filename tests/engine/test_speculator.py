@@ -166,6 +166,24 @@ def test_a_replica_whose_drafts_failed_tries_new_requests_again_after_a_while():
     assert spec.drafts(fresh, 10)[:1] == [7]
 
 
+def test_a_request_whose_first_draft_failed_is_tried_again_after_a_while():
+    """One rejected probe must not write a request off for its whole life: its record fades
+    while it drafts nothing, as the replica's does, until a draft is worth trying again."""
+    spec = _speculator({1: 0.020}, {2: 0.028, 5: 0.030}, {})  # pays from about 0.4 accepted
+    spec.proposer = ReplayProposer({"r": [7] * 400}, acceptance=1.0, vocab_size=100)
+    decoding = request([1, 2, 3])
+    decoding.num_computed_tokens = 2
+    spec.verified("r", 1, 0)
+    assert spec.acceptance("r") < 0.25
+    drafted_at = None
+    for step in range(400):
+        spec.begin_step([decoding])
+        if spec.drafts(decoding, 10):
+            drafted_at = step
+            break
+    assert drafted_at is not None and drafted_at > 50
+
+
 class CountingProposer(ReplayProposer):
     """Replays known tokens, answering as prompt lookup does when they run out."""
 
