@@ -24,8 +24,9 @@ from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
 from cluster.batching import DecodeWindow, make_policy
 from cluster.control import ClusterControl, ReplicaStats, weighted_load
 from cluster.request_records import RequestRecord, summarize_records
+from cluster.sim_config import SimConfig
 from cluster.sim_replica import SimReplica
-from cluster.simulator import SimConfig, after, gc_paused
+from cluster.simulator import after, gc_paused
 from cluster.workload import SimRequest
 from engine.core.outputs import SchedulerStats
 

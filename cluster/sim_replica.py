@@ -3,10 +3,9 @@ a CostModelRunner pricing each step, and the records of the requests it served."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from cluster.batching import make_policy
 from cluster.request_records import RequestRecord
+from cluster.sim_config import SimConfig
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
 from engine.core.decode_cohort import DecodeCohort
@@ -20,9 +19,6 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.speculator import Speculator
 from engine.runner.cost_model import CostModelRunner
-
-if TYPE_CHECKING:
-    from cluster.simulator import SimConfig
 
 
 class SimReplica:

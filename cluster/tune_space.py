@@ -18,7 +18,7 @@ from cluster.autoscale import AutoscaleConfig
 from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig
 from cluster.cluster_sim import ClusterSimConfig
 from cluster.request_records import Slo
-from cluster.simulator import SimConfig
+from cluster.sim_config import SimConfig
 from engine.core.config import SchedulerConfig
 from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec
 

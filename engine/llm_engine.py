@@ -18,13 +18,12 @@ from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams, check_in_vocabulary
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_state import check_request
-from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar_bank import GrammarBank
 from engine.lora.registry import LoRARegistry
 from engine.model.stop_tokens import eos_token_ids
+from engine.output_processor import OutputProcessor
 from engine.runner.base import ModelRunner
 from engine.runner.draft_proposer import speculator_for
-from engine.tracked_request import TrackedRequest, logprobs_of
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +75,12 @@ class LLMEngine:
         slots = LoRASlots(config.lora.max_loras) if config.lora.enabled else None
         self.scheduler = Scheduler(sched_config, kv, self.clock, speculator, slots)
         self.core = EngineCore(self.scheduler, runner, self.clock, policy)
-        self._tracked: dict[str, TrackedRequest] = {}
+        self.outputs = OutputProcessor(tokenizer)
         self._grammars: GrammarBank | None = None  # made for the first structured request
         self._grammars_made = threading.Lock()
         # Steps whose forward raised, since the last that ran: a replica's health reads it.
         self.num_failed_steps_in_a_row = 0
-        self.num_generate_calls = 0  # offline generate() batches, for request ids
+        self._num_generate_calls = 0  # generate() batches, for request ids
 
     @property
     def policy(self) -> BatchingPolicy | None:
@@ -159,6 +158,7 @@ class LLMEngine:
                     raise InvalidParam(param, f"{param}: this engine cannot constrain its output")
                 vocab = self.runner_vocab_size()
                 self._grammars = GrammarBank(self.tokenizer, vocab, self.eos_token_ids)
+                self.outputs.grammars = self._grammars
                 use(self._grammars)
         return self._grammars
 
@@ -168,22 +168,13 @@ class LLMEngine:
             done = request.resumed.output_token_ids if request.resumed else []
             self.grammar_bank().start(request.request_id, structured, done)
         self.scheduler.add_request(request)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
-        )
-        if request.resumed is not None:  # the text so far, of which the client has some
-            detok.update(request.resumed.output_token_ids, finished=False)
-            detok.emitted = request.resumed.num_text_chars
-        tracked = TrackedRequest(request, detok)
-        if request.sampling_params.prompt_logprobs is not None:
-            tracked.prompt_logprobs = [None] * request.num_prompt_tokens
-        self._tracked[request.request_id] = tracked
+        self.outputs.add(request)
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.abort_requests(ids)
         for rid in ids:
-            self._drop(rid)
+            self.outputs.drop(rid)
 
     def close(self) -> None:
         """Release what the runner holds beyond this process (tensor-parallel ranks)."""
@@ -216,73 +207,15 @@ class LLMEngine:
         return [delta for result in results for delta in self._deltas(result)]
 
     def _deltas(self, result: StepResult) -> list[RequestOutput]:
-        """The deltas of one collected step: its tokens' text, stop strings applied."""
+        """The deltas of one collected step; requests a stop string ended end here."""
         if result.error is not None:
             self.num_failed_steps_in_a_row += 1
-            return [self._error_output(o.request_id, result.error) for o in result.outputs]
-        if result.num_scheduled:
+        elif result.num_scheduled:
             self.num_failed_steps_in_a_row = 0
-        for rid, (position, entries) in result.prompt_logprobs.items():
-            tracked = self._tracked.get(rid)
-            if tracked is not None and tracked.prompt_logprobs is not None:
-                tracked.prompt_logprobs[position : position + len(entries)] = entries
-        core_outs = result.outputs
-        outputs = []
-        stopped = []
-        for core in core_outs:
-            tracked = self._tracked.get(core.request_id)
-            if tracked is None:
-                continue
-            new_ids = core.new_token_ids
-            text, hit_stop, taken = tracked.detokenizer.update_stepwise(new_ids, core.finished)
-            dropped = len(new_ids) - taken  # after a stop string, within one step
-            new_ids = new_ids[:taken]
-            # The grammar's document is whole: it ends the request (even with ignore_eos).
-            grammars = self._grammars
-            hit_stop = hit_stop or (grammars is not None and grammars.terminated(core.request_id))
-            finish_reason = core.finish_reason
-            if hit_stop:  # a stop string ends the request whatever else happened this step
-                if not core.finished:
-                    stopped.append(core.request_id)
-                finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
-            req = tracked.request
-            outputs.append(
-                RequestOutput(
-                    request_id=core.request_id,
-                    new_token_ids=new_ids,
-                    new_text=text,
-                    finished=finish_reason is not None,
-                    finish_reason=finish_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_output_tokens=req.num_output_tokens - dropped,
-                    queue_time_s=(
-                        req.first_scheduled_time - req.arrival_time
-                        if finish_reason is not None and req.first_scheduled_time is not None
-                        else None
-                    ),
-                    num_preemptions=req.num_preemptions,
-                    logprobs=logprobs_of(result.logprobs, core.request_id, new_ids),
-                    prompt_logprobs=tracked.take_prompt_logprobs(),
-                    embedding=core.embedding,
-                )
-            )
-            if finish_reason is not None:
-                self._drop(core.request_id)
+        outputs, stopped = self.outputs.process(result)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
-
-    def _drop(self, request_id: str) -> TrackedRequest | None:
-        """Forget an ended request (its grammar's matcher too)."""
-        if self._grammars is not None:
-            self._grammars.forget([request_id])
-        return self._tracked.pop(request_id, None)
-
-    def _error_output(self, request_id: str, error: str) -> RequestOutput:
-        tracked = self._drop(request_id)
-        n_prompt = tracked.request.num_prompt_tokens if tracked else 0
-        n_out = tracked.request.num_output_tokens if tracked else 0
-        return RequestOutput(request_id, [], "", True, "error", n_prompt, n_out, error=error)
 
     # ------------------------------------------------------------------------- offline
     def generate(
@@ -292,7 +225,28 @@ class LLMEngine:
         loras: list[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Run prompts to completion (each with its LoRA adapter where `loras` names one);
-        results in prompt order."""
-        from engine.offline import run_to_completion
-
-        return run_to_completion(self, prompts, params, loras)
+        results in prompt order (one SamplingParams for all, or one each)."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidParam("params", "params: need one SamplingParams per prompt")
+        loras = loras or [None] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidParam("loras", "loras: need one adapter name (or None) per prompt")
+        self._num_generate_calls += 1
+        ids = [f"generate-{self._num_generate_calls}-{i}" for i in range(len(prompts))]
+        results: dict[str, GenerationResult] = {}
+        for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+            request = self.make_request(rid, prompt, p, lora=lora)
+            self.add_prepared(request)
+            results[rid] = GenerationResult(rid, request.prompt_token_ids, [], "", None)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                result.text += out.new_text
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]

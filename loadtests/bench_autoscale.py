@@ -18,7 +18,8 @@ from typing import Any
 from cluster.autoscale import AutoscaleConfig
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
 from cluster.request_records import Slo
-from cluster.simulator import SimConfig, capacity
+from cluster.sim_config import SimConfig
+from cluster.simulator import capacity
 from cluster.workload import Burst, SimRequest, diurnal_rate, make_diurnal_workload, make_workload
 from engine.runner.cost_model import GPUS, MODELS
 from loadtests.plotting import pyplot

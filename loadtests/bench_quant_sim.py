@@ -23,7 +23,8 @@ from typing import Any
 
 from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig
 from cluster.request_records import Slo
-from cluster.simulator import SimConfig, Simulator, capacity
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator, capacity
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.core.config import CacheConfig, SchedulerConfig
 from engine.runner.cost_model import GPUS, MODELS

@@ -14,7 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.runner.cost_model import GPUS, MODELS
 from loadtests.bench_autoscale import SETTINGS, study_replica, study_trace

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.request_records import Slo
-from cluster.simulator import SimConfig, capacity
+from cluster.sim_config import SimConfig
+from cluster.simulator import capacity
 from cluster.tune_report import Target, cheapest
 from cluster.tune_search import Problem, search
 from cluster.tune_space import Setting, Space

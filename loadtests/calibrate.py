@@ -19,7 +19,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import LengthDist, SimRequest, make_workload
 from engine.core.outputs import SchedulerOutput
 from engine.runner.cost_model import NO_LOSS, CostParams, GpuSpec, ModelSpec, step_cost

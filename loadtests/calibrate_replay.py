@@ -22,7 +22,8 @@ from typing import Any
 
 from cluster.metrics import percentile
 from cluster.request_records import RequestRecord
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import LengthDist, SimRequest, make_workload
 from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec
 from loadtests.workload import resolve_model

@@ -2,7 +2,7 @@
 description (pure Python: no torch, no ray).
 
 Everything else derives from these records: deploy.yaml's `engine:` section
-(serve_app.config.EngineArgs), the simulator's replica (cluster.simulator.SimConfig) and
+(serve_app.config.EngineArgs), the simulator's replica (cluster.sim_config.SimConfig) and
 docs/configuration.md (generated from the descriptions by `python -m serve_app.config_docs`).
 """
 

@@ -6,7 +6,8 @@ import pytest
 
 from cluster.autoscale import AutoscaleConfig
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import Burst, make_diurnal_workload, make_workload
 from engine.runner.cost_model import GPUS, MODELS
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import make_workload
 from engine.core.lora_config import LoRAConfig
 from engine.runner.cost_model import GPUS, MODELS

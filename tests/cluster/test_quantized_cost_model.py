@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.core.clock import VirtualClock
 from engine.core.config import CacheConfig, EngineConfig

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.simulator import SimConfig, Simulator, capacity
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator, capacity
 from cluster.workload import LengthDist, make_workload
 from engine.core.clock import VirtualClock
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.simulator import SimConfig, Simulator
+from cluster.sim_config import SimConfig
+from cluster.simulator import Simulator
 from cluster.workload import make_workload
 from engine.core.config import SpeculativeConfig
 from engine.runner.cost_model import GPUS, MODELS

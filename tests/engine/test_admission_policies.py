@@ -134,7 +134,8 @@ def test_a_request_that_just_resumed_is_not_the_next_victim():
 
 
 def test_sjf_lowers_mean_latency_in_the_simulator():
-    from cluster.simulator import SimConfig, Simulator
+    from cluster.sim_config import SimConfig
+    from cluster.simulator import Simulator
     from cluster.workload import LengthDist, make_workload
     from engine.runner.cost_model import GPUS, MODELS
 

@@ -54,7 +54,7 @@ class StepWatch:
 def assert_all_free(engine: LLMEngine) -> None:
     kv = engine.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
-    assert not engine._tracked
+    assert not engine.outputs.tracked
 
 
 # Steps in flight computed when collected, or at launch (tests/engine/deferred_runner.py).
