@@ -8,7 +8,6 @@ from cluster.request_records import RequestRecord
 from cluster.sim_config import SimConfig
 from cluster.workload import SimRequest
 from engine.core.clock import VirtualClock
-from engine.core.decode_cohort import DecodeCohort
 from engine.core.engine_core import EngineCore
 from engine.core.fixed_proposers import SimulatedDrafts
 from engine.core.kv_cache_manager import KVCacheManager
@@ -16,7 +15,8 @@ from engine.core.lora_slots import LoRARequest, LoRASlots
 from engine.core.policy import BatchingPolicy, ExternalLimits
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.sched.decode_cohort import DecodeCohort
+from engine.core.sched.scheduler import Scheduler
 from engine.core.speculator import Speculator
 from engine.runner.cost_model import CostModelRunner
 
@@ -135,7 +135,7 @@ class SimReplica:
     def advance(self, until_s: float) -> None:
         """Take the next step, and those after it that start before `until_s` (the next
         event that could change the batch: an arrival, a tick) where the decode cohort
-        can take them; equal to stepping (engine/core/decode_cohort.py)."""
+        can take them; equal to stepping (engine/core/sched/decode_cohort.py)."""
         cohort = self.cohort
         if cohort is not None and (cohort.active or cohort.enter()):
             if self.external is not None:

@@ -3,7 +3,7 @@
 Nothing of the scheduler is re-implemented here: requests go through `Scheduler.add_request`
 and each step through `EngineCore.step` (policy -> schedule -> execute -> update), exactly as
 in the engine, or, where most of the batch only decodes, through the decode cohort
-(engine/core/decode_cohort.py: the scheduler's own admission and ends, equal results). Only
+(engine/core/sched/decode_cohort.py: the scheduler's own admission and ends, equal results). Only
 the runner is priced instead of run.
 """
 
@@ -54,7 +54,7 @@ class SimResult:
     max_num_seqs_series: list[tuple[float, int]]
     free_blocks_at_end: int
     num_cohort_steps: int = (
-        0  # of num_steps, those the decode cohort took (engine/core/decode_cohort.py)
+        0  # of num_steps, those the decode cohort took (engine/core/sched/decode_cohort.py)
     )
 
     def summary(self) -> dict[str, float]:

@@ -16,8 +16,8 @@ from engine.core.outputs import GenerationResult, RequestOutput, SchedulerStats
 from engine.core.policy import BatchingPolicy
 from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams, check_in_vocabulary
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_state import check_request
+from engine.core.sched.inspection import check_request
+from engine.core.sched.scheduler import Scheduler
 from engine.grammar_bank import GrammarBank
 from engine.lora.registry import LoRARegistry
 from engine.model.stop_tokens import eos_token_ids

@@ -12,7 +12,7 @@ import contextlib
 import math
 import struct
 import uuid
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,10 +24,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.model.loader import read_spec
 from engine.model.pooling_config import read_embedding_config
 from serve_app.errors import OpenAIError
+from serve_app.request_path import RequestPath
 from serve_app.streaming import Prepared
-
-if TYPE_CHECKING:
-    from serve_app.ingress import OpenAIIngress
 
 ENDPOINT = "embeddings"
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -54,26 +52,26 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
 
 
 class EmbeddingsService:
-    def __init__(self, ingress: OpenAIIngress) -> None:
-        self.ingress = ingress
-        spec = read_spec(ingress.args.model)
-        self.config = read_embedding_config(ingress.args.model, spec.hidden_size)
+    def __init__(self, path: RequestPath) -> None:
+        self.path = path
+        spec = read_spec(path.args.model)
+        self.config = read_embedding_config(path.args.model, spec.hidden_size)
 
     async def create(self, body: EmbeddingRequest) -> Response:
-        ingress, headers = self.ingress, {}
+        path, headers = self.path, {}
         try:
-            headers = ingress.ignored_header(body)
+            headers = path.ignored_header(body)
             try:
                 self.config.check_dimensions(body.dimensions)
                 prompts = self._prompts(body.input)
             except InvalidParam as exc:
                 raise OpenAIError.bad_request(exc) from None
-            lora = await ingress.adapters.resolve(body.model)
+            lora = await path.adapters.resolve(body.model)
             vectors = await self._embed(prompts, lora)
         except OpenAIError as exc:
-            ingress.metrics.answered(ENDPOINT, exc.status)
+            path.metrics.answered(ENDPOINT, exc.status)
             return exc.response()
-        ingress.metrics.answered(ENDPOINT, 200)
+        path.metrics.answered(ENDPOINT, 200)
         shape = (body.dimensions, self.config.normalize, body.encoding_format)
         data = [
             {"object": "embedding", "index": i, "embedding": encoded(v, *shape)}
@@ -93,11 +91,11 @@ class EmbeddingsService:
             raise InvalidParam("input", "input: must not be empty")
         if len(value) > MAX_INPUTS:
             raise InvalidParam("input", f"input: at most {MAX_INPUTS} inputs per request")
-        prompts, limit = [], self.ingress.max_model_len
+        prompts, limit = [], self.path.max_model_len
         for i, item in enumerate(value):
             name = "input" if len(value) == 1 else f"input[{i}]"
             try:
-                ids = self.ingress.prompts.completion(item)
+                ids = self.path.prompts.completion(item)
             except InvalidParam as exc:
                 raise InvalidParam(name, str(exc).replace("prompt:", f"{name}:", 1)) from None
             if not ids:
@@ -114,12 +112,12 @@ class EmbeddingsService:
         config, base = self.config, f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, pooling=config.pooling, normalize=config.normalize)
         # At most an engine replica's capacity in flight: a long list is not its own 429.
-        gate = asyncio.Semaphore(self.ingress.args.replica_capacity)
+        gate = asyncio.Semaphore(self.path.args.replica_capacity)
 
         async def one(i: int, prompt: list[int]) -> list[float]:
             prep = Prepared(f"{base}-{i}", prompt, params, ENDPOINT, False, False, lora=lora)
             async with gate:
-                (choice,) = await self.ingress.client.start_choices(prep, 1, None, 0)
+                (choice,) = await self.path.client.start_choices(prep, 1, None, 0)
                 last: RequestOutput = choice.first
                 async with contextlib.aclosing(choice.deltas) as outs:
                     async for out in outs:

@@ -2,7 +2,7 @@
 
 Validates bodies (400 names the field), applies the chat template, tokenizes, and streams
 each request from an engine replica through a DeploymentHandle (/v1/responses runs through
-the same path: serve_app/responses_service.py). Engine replicas that are full make it answer
+the same path: serve_app/request_path.py). Engine replicas that are full make it answer
 429 with Retry-After; a client that goes away cancels the engine request."""
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engine.core.errors import InvalidParam
 from engine.core.lora_config import LoRAConfig
-from engine.core.outputs import RequestOutput
 from engine.model.loader import read_spec, resolve_max_model_len
 from serve_app import openai_protocol as oai
 from serve_app import tracing
-from serve_app.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.config import AppArgs
 from serve_app.delta_channel import DeltaChannels, channel_name
 from serve_app.edge_routes import EdgeState, install_edge
@@ -34,16 +31,15 @@ from serve_app.embeddings import EmbeddingsService
 from serve_app.embeddings import router as embeddings_router
 from serve_app.engine_client import EngineClient
 from serve_app.errors import OpenAIError, install_error_handlers
-from serve_app.logprobs_format import LogprobsFormatter
 from serve_app.lora_names import AdapterNames
 from serve_app.lora_routes import router as lora_router
 from serve_app.prompts import PromptBuilder
+from serve_app.request_path import Body, RequestPath
 from serve_app.responses import sse_events, whole_body
 from serve_app.responses_routes import router as responses_router
 from serve_app.responses_service import ResponsesService
-from serve_app.streaming import Prepared, closing, runs_response
+from serve_app.streaming import closing, runs_response
 from serve_app.telemetry import IngressMetrics
-from serve_app.tool_calls import hold_to_tools, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +48,6 @@ install_error_handlers(app)
 install_edge(app)
 for router in (lora_router, responses_router, embeddings_router):
     app.include_router(router)
-
-Body = oai.CompletionRequest | oai.ChatCompletionRequest
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -94,10 +88,13 @@ class OpenAIIngress:
             self.metrics.sequence_resumed,
         )
         self.controller, self.metrics_board = controller, metrics_board
-        self.tracer = tracing.make_tracer(self.args.tracing, "ingress")
-        self.ignored = IgnoredFields()
-        app.state.responses = ResponsesService(self, response_store)
-        app.state.embeddings = EmbeddingsService(self)
+        tracer = tracing.make_tracer(self.args.tracing, "ingress")
+        self.path = RequestPath(
+            self.args, self.max_model_len, self.prompts, self.adapters, self.client,
+            self.metrics, tracer,
+        )  # fmt: skip
+        app.state.responses = ResponsesService(self.path, response_store)
+        app.state.embeddings = EmbeddingsService(self.path)
         # What the routes beside generation read (serve_app/edge_routes.py).
         app.state.edge = EdgeState(
             self.model_name,
@@ -160,11 +157,11 @@ class OpenAIIngress:
     async def _serve(self, endpoint: str, body: Body) -> Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         with contextlib.ExitStack() as scope:
-            span = scope.enter_context(self.request_span(path, body.model, bool(body.stream)))
+            span = scope.enter_context(self.path.span(path, body.model, bool(body.stream)))
             headers = {}
             try:
-                headers = self.ignored_header(body)
-                prep = self._prepare(endpoint, body, await self.adapters.resolve(body.model))
+                headers = self.path.ignored_header(body)
+                prep = self.path.prepare(endpoint, body, await self.adapters.resolve(body.model))
                 choices = await self.client.start_choices(
                     prep, body.num_sequences, span.carrier(), body.priority
                 )
@@ -174,7 +171,7 @@ class OpenAIIngress:
                 response = exc.response()
                 response.headers.update(headers)
                 return response
-            record = partial(self._record, prep, span, time.perf_counter() - prep.started)
+            record = partial(self.path.record, prep, span, time.perf_counter() - prep.started)
             if body.stream:
                 self.metrics.answered(endpoint, 200)
                 runs_response()
@@ -195,104 +192,3 @@ class OpenAIIngress:
                 return OpenAIError.server_error(500, message).response()
             self.metrics.answered(endpoint, 200)
             return JSONResponse(whole, headers=headers)
-
-    def request_span(
-        self, path: str, model: str, stream: bool
-    ) -> contextlib.AbstractContextManager[tracing.RequestSpan]:
-        """A POST's server span (a context manager)."""
-        attributes = {"http.request.method": "POST", "url.path": path}
-        attributes |= {"dynabatch.stream": stream, "gen_ai.request.model": model}
-        return tracing.request_span(self.tracer, f"POST {path}", attributes, kind="SERVER")
-
-    def ignored_header(self, body: Any) -> dict[str, str]:
-        """The response header naming the body's unknown fields (logged once each), or a 400
-        naming the first."""
-        ignored = body.ignored_fields()
-        if ignored and self.args.api.unknown_fields == "reject":
-            raise OpenAIError(400, f"{ignored[0]}: unknown or unsupported field", param=ignored[0])
-        self.ignored.note(ignored)
-        return {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
-
-    def _prepare(self, endpoint: str, body: Body, lora: tuple[str, str] | None) -> Prepared:
-        """`lora`: the LoRA adapter `body.model` names (name, directory), or None."""
-        unsupported = body.unsupported()
-        if unsupported is not None:
-            raise OpenAIError(400, unsupported[1], param=unsupported[0])
-        if body.num_sequences > self.args.replica_capacity:
-            field = "n" if body.num_sequences == body.n else "best_of"
-            message = (
-                f"{field}: at most {self.args.replica_capacity} sequences per request here "
-                "(an engine replica's capacity)"
-            )
-            raise OpenAIError(400, message, param=field)
-        planned = None
-        try:
-            if isinstance(body, oai.ChatCompletionRequest):
-                if len(body.messages) > self.args.api.max_messages:
-                    raise InvalidParam(
-                        "messages", f"messages: at most {self.args.api.max_messages} per request"
-                    )
-                planned = plan_tools(body.tools, body.tool_choice, self.args.api.tool_call_parser)
-                prompt_ids = self.prompts.chat(body.messages, body.tools if planned else None)
-                requested = body.requested_max_tokens
-            else:
-                prompt = body.single_prompt()
-                prompt_ids = self.prompts.completion(prompt)
-                requested = body.max_tokens if body.max_tokens is not None else 16
-            if not prompt_ids:
-                raise InvalidParam("prompt", "prompt: must not be empty")
-            room = self.max_model_len - len(prompt_ids)
-            max_tokens = requested if requested is not None else room
-            if max_tokens > room or room < 1:
-                param = "messages" if endpoint == "chat" else "prompt"
-                counts = (len(prompt_ids), max(max_tokens, 1))
-                raise OpenAIError.too_long(param, self.max_model_len, *counts)
-            params = body.sampling_params(max_tokens)
-            if planned is not None:
-                hold_to_tools(params, *planned, body.parallel_tool_calls is not False)
-        except InvalidParam as exc:
-            raise OpenAIError.bad_request(exc) from None
-        formatter = None
-        if params.logprobs is not None:
-            formatter = LogprobsFormatter(self.prompts.tokenizer, endpoint == "chat")
-        elif body.num_sequences > body.n:  # best_of ranks sequences by their log-probability
-            params.logprobs = 0
-        echo_text = None
-        if getattr(body, "echo", False):  # completions only: the prompt as sent, or decoded
-            echo_text = prompt if isinstance(prompt, str) else self.prompts.tokenizer.decode(prompt)
-            params.prompt_logprobs = body.requested_logprobs()
-        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        return Prepared(
-            oai.new_id(prefix),
-            prompt_ids,
-            params,
-            endpoint,
-            body.include_usage,
-            body.continuous_usage,
-            logprobs=formatter,
-            n=body.n,
-            echo_text=echo_text,
-            tools=planned[0] if planned else None,
-            reasoning=endpoint == "chat" and self.args.api.reasoning_parser == "think",
-            lora=lora,
-        )
-
-    def _record(
-        self, prep: Prepared, span: tracing.RequestSpan, ttft: float, lasts: list[RequestOutput]
-    ) -> None:
-        """One request, whatever its number of sequences: the first's finish reason, the
-        prompt once, every sequence's completion tokens."""
-        reason = lasts[0].finish_reason
-        prompt = lasts[0].num_prompt_tokens
-        completion = sum(last.num_output_tokens for last in lasts)
-        span.finish_reason = reason or "abort"
-        span.set(
-            {
-                "dynabatch.request_id": prep.request_id,
-                "http.response.status_code": 200,
-                "gen_ai.usage.input_tokens": prompt,
-                "gen_ai.usage.output_tokens": completion,
-                "dynabatch.ttft_s": ttft,
-            }
-        )
-        self.metrics.completed(prompt, completion, reason, ttft, time.perf_counter() - prep.started)

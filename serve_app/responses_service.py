@@ -1,8 +1,9 @@
 """POST /v1/responses at an ingress replica: the request runs as a chat request
-(serve_app/responses_protocol.py) through the ingress's own path (validation, engine
-client, metrics, tracing), and its output comes back as a response object, as the
-Responses stream's events, or later (`background`); stored responses live in the
-ResponseStore (serve_app/response_store.py) so any ingress replica continues them."""
+(serve_app/responses_protocol.py) through the path every request takes
+(serve_app/request_path.py: validation, engine client, metrics, tracing), and its output
+comes back as a response object, as the Responses stream's events, or later (`background`);
+stored responses live in the ResponseStore (serve_app/response_store.py) so any ingress
+replica continues them."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.errors import InvalidParam
 from serve_app.chat_deltas import ChatDeltas, whole_message
 from serve_app.errors import OpenAIError
+from serve_app.request_path import RequestPath
 from serve_app.responses import Choice, merged
 from serve_app.responses_output import (
     OutputEvents,
@@ -31,9 +33,6 @@ from serve_app.responses_output import (
 )
 from serve_app.responses_protocol import ResponsesRequest, chat_request, input_messages, renamed
 from serve_app.streaming import Prepared, closing, runs_response
-
-if TYPE_CHECKING:
-    from serve_app.ingress import OpenAIIngress
 
 ENDPOINT, ENDPOINT_PATH = "responses", "/v1/responses"
 # How often a background response asks the store whether a cancel came (through any replica).
@@ -53,31 +52,31 @@ class Turn:
 
 
 class ResponsesService:
-    def __init__(self, ingress: OpenAIIngress, store) -> None:
+    def __init__(self, path: RequestPath, store) -> None:
         """`store`: the ResponseStore's handle (None: nothing is stored)."""
-        self.ingress = ingress
+        self.path = path
         self.store = store
         self._background: dict[str, asyncio.Task] = {}
 
     # ------------------------------------------------------------------------ routes
     async def create(self, body: ResponsesRequest) -> Response:
-        ingress = self.ingress
+        path = self.path
         with contextlib.ExitStack() as scope:
-            span = scope.enter_context(ingress.request_span(ENDPOINT_PATH, body.model, body.stream))
+            span = scope.enter_context(path.span(ENDPOINT_PATH, body.model, body.stream))
             headers = {}
             try:
-                headers = ingress.ignored_header(body)
+                headers = path.ignored_header(body)
                 turn = await self._prepare(body)
                 prep = turn.prep
                 if body.background:
                     return self._start_background(turn, headers)
-                choices = await ingress.client.start_choices(prep, 1, span.carrier(), body.priority)
+                choices = await path.client.start_choices(prep, 1, span.carrier(), body.priority)
             except OpenAIError as exc:
-                ingress.metrics.answered(ENDPOINT, exc.status)
+                path.metrics.answered(ENDPOINT, exc.status)
                 return exc.response()
-            record = partial(ingress._record, prep, span, time.perf_counter() - prep.started)
+            record = partial(path.record, prep, span, time.perf_counter() - prep.started)
             if body.stream:
-                ingress.metrics.answered(ENDPOINT, 200)
+                path.metrics.answered(ENDPOINT, 200)
                 runs_response()
                 events = self._events(turn, choices, record)
                 events = closing(events, scope.pop_all())
@@ -87,9 +86,9 @@ class ResponsesService:
                 if done["status"] == "failed":
                     raise OpenAIError.server_error(500, "engine error: the response failed")
             except OpenAIError as exc:  # lost with its replica, and no other took it; failed
-                ingress.metrics.answered(ENDPOINT, exc.status)
+                path.metrics.answered(ENDPOINT, exc.status)
                 return exc.response()
-            ingress.metrics.answered(ENDPOINT, 200)
+            path.metrics.answered(ENDPOINT, 200)
             return JSONResponse(done, headers=headers)
 
     async def get(self, response_id: str) -> Response:
@@ -144,11 +143,11 @@ class ResponsesService:
             field = "stream" if body.stream else "store"
             message = f"{field}: background responses are stored and not streamed here"
             raise OpenAIError(400, message, param=field)
-        ingress = self.ingress
+        path = self.path
         try:
             new = input_messages(body)
             chat = chat_request(body, history, new)
-            prep = ingress._prepare("chat", chat, await ingress.adapters.resolve(body.model))
+            prep = path.prepare("chat", chat, await path.adapters.resolve(body.model))
         except InvalidParam as exc:
             raise OpenAIError.bad_request(renamed(exc)) from None
         except OpenAIError as exc:
@@ -218,7 +217,7 @@ class ResponsesService:
             watcher = asyncio.current_task()
             poll = asyncio.create_task(self._watch_cancel(prep.request_id, watcher))
             try:
-                choices = await self.ingress.client.start_choices(prep, 1, None, turn.body.priority)
+                choices = await self.path.client.start_choices(prep, 1, None, turn.body.priority)
                 await self._store(turn, turn.response)
                 await self._whole(turn, choices, lambda _: None)
             except asyncio.CancelledError:

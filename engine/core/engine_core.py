@@ -7,7 +7,7 @@ A step is launched (scheduled and handed to the runner) and later collected (its
 tokens applied to the scheduler). `step()` does both at once; LLMEngine may instead leave a
 step in flight on a GPU and process the previous step's outputs meanwhile, and launch the
 step after it before collecting it where the scheduler can tell that step already
-(engine/core/continuation.py). Steps are collected in launch order.
+(engine/core/sched/continuation.py). Steps are collected in launch order.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.clock import Clock
-from engine.core.continuation import schedule_continuation
 from engine.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -28,7 +27,8 @@ from engine.core.outputs import (
 )
 from engine.core.policy import BatchingPolicy
 from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler
+from engine.core.sched.continuation import schedule_continuation
+from engine.core.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 # The input token of a row scheduled before the step that samples it has run: the runner
-# takes it from that step's sampled tokens (engine/core/continuation.py).
+# takes it from that step's sampled tokens (engine/core/sched/continuation.py).
 UNKNOWN_TOKEN = -1
 
 
@@ -248,7 +248,7 @@ class SchedulerStats:
     last_step_num_seqs: int = 0
     last_step_decode_only: bool = False
     last_step_duration_s: float | None = None
-    # Running totals over decode-only steps (see engine.core.step_stats.StepStats).
+    # Running totals over decode-only steps (see engine.core.sched.step_stats.StepStats).
     decode_steps_total: int = 0
     decode_step_seconds_total: float = 0.0
     decode_step_seqs_total: int = 0

@@ -78,7 +78,7 @@ class Speculator:
         # The adaptive rule found no draft worth its step among requests that all decode
         # (not a pause to measure), or the batch is over disable_by_batch_size: the next
         # step, with the same requests, may be scheduled before this one's tokens are in
-        # (engine/core/continuation.py).
+        # (engine/core/sched/continuation.py).
         self._quiet = False
         self._num_dry = 0  # proposals in a row that found no draft for any row
         self._hold = 0  # steps left before the proposer is asked again

@@ -1,5 +1,5 @@
 """The inputs of a step launched before the step before it is collected
-(engine/core/continuation.py) that only the device has: its rows' input tokens, which the
+(engine/core/sched/continuation.py) that only the device has: its rows' input tokens, which the
 step before sampled, taken from that step's sampled tensor without a copy to the host."""
 
 from __future__ import annotations

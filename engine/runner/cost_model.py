@@ -236,7 +236,7 @@ class CostModelRunner:
         return ModelRunnerOutput(sampled, spec_token_ids=spec)
 
     def run_step(self, rows: int, tokens: int, sampled: int, attended: int, context: int) -> float:
-        """Price a step known by its sums alone (engine/core/decode_cohort.py; see
+        """Price a step known by its sums alone (engine/core/sched/decode_cohort.py; see
         Pricer.cost), as `execute` prices it, and move the clock past it; returns the clock."""
         cost = self.pricer.cost(rows, tokens, sampled, attended, context)[0]
         self.clock.advance(cost)

@@ -7,7 +7,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.sched.scheduler import Scheduler
 
 EOS = 2
 

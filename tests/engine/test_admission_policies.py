@@ -8,7 +8,8 @@ from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import RESUME_GRACE_STEPS, Scheduler
+from engine.core.sched.request_order import RESUME_GRACE_STEPS
+from engine.core.sched.scheduler import Scheduler
 from tests.engine.helpers import fake_run
 
 
@@ -124,13 +125,13 @@ def test_a_request_that_just_resumed_is_not_the_next_victim():
     sched.running = list(running)  # c ranks last: the natural victim
     sched.num_steps_total = 100
     running[2].resumed_at_step = 100 - RESUME_GRACE_STEPS + 1  # c just came back
-    assert sched._pick_victim(0) is running[1]  # b goes instead
+    assert sched.pick_victim(0) is running[1]  # b goes instead
     running[2].resumed_at_step = 100 - RESUME_GRACE_STEPS  # grace over
-    assert sched._pick_victim(0) is running[2]
+    assert sched.pick_victim(0) is running[2]
     # Only just-resumed candidates left: the worst of them still goes (progress over grace).
     sched.running = [running[0], running[2]]
     running[2].resumed_at_step = 100
-    assert sched._pick_victim(0) is running[2]
+    assert sched.pick_victim(0) is running[2]
 
 
 def test_sjf_lowers_mean_latency_in_the_simulator():

@@ -1,17 +1,18 @@
-"""The step scheduled while the step before it is in flight (engine/core/continuation.py): it is
-exactly the step the scheduler would schedule once that step's tokens are in, or None."""
+"""The step scheduled while the step before it is in flight
+(engine/core/sched/continuation.py): it is exactly the step the scheduler would schedule once
+that step's tokens are in, or None."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import fields
 
-from engine.core.continuation import schedule_continuation
 from engine.core.lora_slots import LoRARequest, LoRASlots
 from engine.core.outputs import UNKNOWN_TOKEN, SchedulerOutput
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams, StructuredOutput
-from engine.core.scheduler import Scheduler
+from engine.core.sched.continuation import schedule_continuation
+from engine.core.sched.scheduler import Scheduler
 from tests.engine.helpers import fake_run, make_request, make_scheduler, step
 
 

@@ -11,7 +11,7 @@ from engine.core.config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.sched.scheduler import Scheduler
 from tests.conftest import build_engine
 from tests.engine.helpers import fake_run
 from tests.engine.oracle import HFOracle

@@ -12,7 +12,7 @@ from engine.core.ngram_proposer import NgramProposer
 from engine.core.outputs import ModelRunnerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.sched.scheduler import Scheduler
 from engine.core.speculator import DRY_HOLD_MAX, Speculator
 from engine.core.step_time_model import StepTimeModel, StepTimes
 

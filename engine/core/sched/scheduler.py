@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
 from collections.abc import Iterable
 
-from engine.core.admission import admit_waiting
-from engine.core.clock import Clock, MonotonicClock
+from engine.core.clock import Clock
 from engine.core.config import SchedulerConfig, SchedulerLimits
 from engine.core.errors import InvalidParam
 from engine.core.kv_cache_manager import KVCacheManager
@@ -18,16 +16,16 @@ from engine.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from engine.core.preemption import allocate_or_preempt
 from engine.core.request import Request, RequestStatus
-from engine.core.request_order import POLICY_KEYS, RESUME_GRACE_STEPS, pick_victim
-from engine.core.scheduler_state import check_integrity, check_request, scheduler_stats
+from engine.core.sched.admission import admit_waiting
+from engine.core.sched.inspection import check_integrity, check_request, scheduler_stats
+from engine.core.sched.preemption import allocate_or_preempt
+from engine.core.sched.state import SchedulerState
+from engine.core.sched.verified_rows import take_verified
 from engine.core.speculator import Speculator
-from engine.core.step_stats import StepStats
-from engine.core.verified_rows import take_verified
 
 
-class Scheduler:
+class Scheduler(SchedulerState):
     """Continuous (or static) batching with one token budget per step.
 
     Each step, running requests are served first in policy order, then waiting ones are
@@ -45,27 +43,8 @@ class Scheduler:
         speculator: Speculator | None = None,
         loras: LoRASlots | None = None,
     ) -> None:
-        self.config = config
-        self.loras = loras  # the device's LoRA adapter slots (LoRA enabled)
-        self.speculator = speculator  # drafts for decoding requests (speculative decoding)
-        self.kv_cache = kv_cache
-        self.clock = clock or MonotonicClock()
-        self.limits = config.limits()
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._ended_since_last_step: list[str] = []
-        self._static_admitted = 0  # members admitted into the current static batch
-        self.num_preemptions_total = 0
-        self.num_steps_total = 0
-        self.num_finished_total: Counter[str] = Counter()  # by finish reason
-        self.steps = StepStats()
-        # Policy order, best first: `running` is kept in it (the tail goes out first); `waiting`
-        # is sorted by it with aging before admission (under fcfs arrival order already is).
-        self._key = POLICY_KEYS[config.scheduling_policy]
+        super().__init__(config, kv_cache, clock, speculator, loras)
         self._num_added = 0
-        self._swap_out: list[tuple[int, int]] = []
-        self.num_swap_outs_total = 0
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -91,7 +70,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._end(request, status)
+            self.end(request, status)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -109,7 +88,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        self._swap_out: list[tuple[int, int]] = []
+        swap_out: list[tuple[int, int]] = []
 
         num_decodes = num_drafts = 0
         kv = self.kv_cache
@@ -143,10 +122,12 @@ class Scheduler:
             # Most decode steps fit in the blocks held: skip the allocator (hot path).
             # NOTE: the same test as allocate_slots' "need <= 0" early return.
             if table is None or len(table) * block_size < computed + n:
-                if allocate(request, n) is None and not allocate_or_preempt(
-                    self, request, n, preempted, i
-                ):
-                    break  # the request itself was preempted; so was every one after it
+                if allocate(request, n) is None:
+                    made_room = allocate_or_preempt(self, request, n, i)
+                    preempted += made_room.request_ids
+                    swap_out += made_room.swap_out
+                    if not made_room.allocated:
+                        break  # the request itself was preempted; so was every one after it
                 table = table_of(request.request_id)
             scheduled.append(schedule_one(request, n, table))
             if n == 1 and request.num_output_tokens:
@@ -158,7 +139,7 @@ class Scheduler:
         admitted, swap_in, budget = admit_waiting(self, budget, allowed=not preempted)
         scheduled += admitted
 
-        ended, self._ended_since_last_step = self._ended_since_last_step, []
+        ended, self.ended_since_last_step = self.ended_since_last_step, []
         self.num_steps_total += 1
         self.steps.scheduled(len(scheduled), num_decodes)
         return SchedulerOutput(
@@ -167,7 +148,7 @@ class Scheduler:
             num_draft_tokens=num_drafts,
             finished_request_ids=ended,
             preempted_request_ids=preempted,
-            blocks_to_swap_out=self._swap_out,
+            blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             lora_loads=self.loras.take_loads() if self.loras is not None else [],
         )
@@ -223,7 +204,7 @@ class Scheduler:
                 continue
             status = request.stop_status(token, max_model_len)
             if status is not None:
-                self._end(request, status)
+                self.end(request, status)
                 any_ended = True
             reason = status.finish_reason if status else None
             emit(EngineCoreOutput(request.request_id, [token], reason))
@@ -246,35 +227,9 @@ class Scheduler:
         check_integrity(self)
 
     # ------------------------------------------------------------------------- helpers
-    def _may_admit(self) -> bool:
-        if len(self.running) >= self.limits.max_num_seqs:
-            return False
-        if self.config.batching == "static":
-            return self._static_admitted < self.limits.max_num_seqs
-        return True
-
-    def _pick_victim(self, position: int) -> Request:
-        return pick_victim(self.running, position, self.num_steps_total - RESUME_GRACE_STEPS)
-
-    def release_lora(self, request: Request) -> None:
-        """A running request leaves the running set: its adapter's slot may go to another."""
-        if self.loras is not None and request.lora_slot >= 0:
-            self.loras.release(request.lora)
-            request.lora_slot = -1
-
     def _pooled(self, request: Request, embedding: list[float], now: float) -> EngineCoreOutput:
         """An embedding request's prompt is computed: it ends with its pooled vector."""
         request.first_token_time = now
         status = RequestStatus.FINISHED_STOPPED
-        self._end(request, status)
+        self.end(request, status)
         return EngineCoreOutput(request.request_id, [], status.finish_reason, embedding)
-
-    def _end(self, request: Request, status: RequestStatus) -> None:
-        self.release_lora(request)
-        request.status = status
-        self.num_finished_total[status.value] += 1
-        self.kv_cache.free(request.request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request.request_id)
-        del self.requests[request.request_id]
-        self._ended_since_last_step.append(request.request_id)

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from bisect import insort
-from typing import TYPE_CHECKING
 
 from engine.core.outputs import ScheduledRequest
 from engine.core.request import Request, RequestStatus
-from engine.core.request_order import aging_order
-
-if TYPE_CHECKING:
-    from engine.core.scheduler import Scheduler
+from engine.core.sched.request_order import aging_order
+from engine.core.sched.state import SchedulerState
 
 
 def admit_waiting(
-    s: Scheduler, budget: int, allowed: bool = True
+    s: SchedulerState, budget: int, allowed: bool = True
 ) -> tuple[list[ScheduledRequest], list[tuple[int, int]], int]:
     """After the running requests took their tokens: waiting requests in order while
     `budget`, `max_num_seqs` and free blocks allow (none unless `allowed`). Returns their
@@ -23,13 +20,13 @@ def admit_waiting(
     scheduled: list[ScheduledRequest] = []
     kv = s.kv_cache
     if s.config.batching == "static" and not s.running:
-        s._static_admitted = 0
+        s.static_admitted = 0
     if s.config.scheduling_policy != "fcfs" and len(s.waiting) > 1 and budget > 0:
         oldest = s.clock.now() - s.config.aging_s
-        s.waiting = aging_order(s.waiting, s._key, oldest)
+        s.waiting = aging_order(s.waiting, s.order_key, oldest)
     loras = s.loras
     no_slot: list[Request] = []  # their adapters wait for a slot; the rest go ahead
-    while allowed and s.waiting and budget > 0 and s._may_admit():
+    while allowed and s.waiting and budget > 0 and s.may_admit():
         request = s.waiting[0]
         if loras is not None and not loras.can_acquire(request.lora):
             no_slot.append(s.waiting.popleft())
@@ -47,8 +44,8 @@ def admit_waiting(
             request.first_scheduled_time = s.clock.now()
         if request.num_preemptions:
             request.resumed_at_step = s.num_steps_total
-        insort(s.running, request, key=s._key)
-        s._static_admitted += 1
+        insort(s.running, request, key=s.order_key)
+        s.static_admitted += 1
         scheduled.append(ScheduledRequest.of(request, n, kv.block_ids(request.request_id)))
         budget -= n
     s.waiting.extendleft(reversed(no_slot))

@@ -10,7 +10,7 @@ cohort is left. The decisions stay the scheduler's: admission is its own code
 (admission.py) against its KV manager, whose pool counts each member's new block at the
 step the scheduler would take it (BlockPool.hold; which block it is gets chosen when the
 member leaves, as nothing in a simulation reads block ids), ends go through
-`Scheduler._end`, admitted rows through `update_from_output`, and every step is counted in
+`SchedulerState.end`, admitted rows through `update_from_output`, and every step is counted in
 its step statistics as `schedule` and the engine would count it.
 
 A step the cohort cannot take as the scheduler would (too few free blocks: a preemption;
@@ -23,14 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.core.admission import admit_waiting
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.core.policy import ExternalLimits
 from engine.core.request import Request, RequestStatus
+from engine.core.sched.admission import admit_waiting
 
 if TYPE_CHECKING:
     from engine.core.clock import Clock
-    from engine.core.scheduler import Scheduler
+    from engine.core.sched.scheduler import Scheduler
 
 # Prices a step by its sums (rows, tokens, sampled, attended, context: as
 # CostModelRunner.run_step reads them), moving the clock to its end; returns the clock.
@@ -141,7 +141,7 @@ class DecodeCohort:
                 sampled += row.sample
             started = clock.now()
             ended = price(members + len(rows), tokens, sampled, attended, context)
-            s._ended_since_last_step = []
+            s.ended_since_last_step = []
             s.num_steps_total += 1
             s.steps.scheduled(members + len(rows), members)
             s.steps.executed(ended - started)
@@ -213,6 +213,6 @@ class DecodeCohort:
             status = r.stop_status(self.token, max_len)
             if status is None:
                 raise AssertionError(f"{r.request_id}: did not end at its last step")
-            s._end(r, status)
+            s.end(r, status)
             s.running.remove(r)  # the order of the rest stays (the scheduler's policy order)
         return list(ending)

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import Request
-
-if TYPE_CHECKING:
-    from engine.core.scheduler import Scheduler
+from engine.core.sched.state import SchedulerState
 
 
 def take_verified(
-    s: Scheduler, request: Request, num_drafts: int, tokens: list[int], now: float
+    s: SchedulerState, request: Request, num_drafts: int, tokens: list[int], now: float
 ) -> EngineCoreOutput:
     """`tokens`: the row's accepted drafts, then the target's next token. The blocks of
     rejected drafts go back; the request ends where a token ends it."""
@@ -23,7 +19,7 @@ def take_verified(
         request.first_token_time = now
     tokens, status = request.append_outputs(tokens, s.config.max_model_len)
     if status is not None:
-        s._end(request, status)
+        s.end(request, status)
     else:
         s.kv_cache.trim(request)
         if s.kv_cache.enable_prefix_caching:

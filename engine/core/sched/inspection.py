@@ -4,17 +4,14 @@ Python)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from engine.core.errors import InvalidParam
 from engine.core.outputs import SchedulerStats
 from engine.core.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from engine.core.scheduler import Scheduler
+from engine.core.sched.state import SchedulerState
 
 
-def scheduler_stats(s: Scheduler) -> SchedulerStats:
+def scheduler_stats(s: SchedulerState) -> SchedulerStats:
     """A plain snapshot of the scheduler and its KV cache (stats, reports, /metrics)."""
     steps = s.steps
     return SchedulerStats(
@@ -52,14 +49,14 @@ def _adapter_names(requests) -> tuple[str, ...]:
     return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
-def _spec_snapshot(s: Scheduler):
+def _spec_snapshot(s: SchedulerState):
     if s.speculator is None:
         return None
     stats = s.speculator.stats
     return replace(stats, accepted_per_position=list(stats.accepted_per_position))
 
 
-def check_request(s: Scheduler, request: Request) -> None:
+def check_request(s: SchedulerState, request: Request) -> None:
     """Raise InvalidParam if the request could never run on `s`. Reads only the config."""
     if request.num_prompt_tokens < 1:
         raise InvalidParam("prompt", "prompt must contain at least one token")
@@ -80,7 +77,7 @@ def check_request(s: Scheduler, request: Request) -> None:
         )
 
 
-def check_integrity(s: Scheduler) -> None:
+def check_integrity(s: SchedulerState) -> None:
     """Raise AssertionError if the queues, the request index and the KV tables disagree
     (run when the engine is idle and after every test)."""
     s.kv_cache.check_integrity()

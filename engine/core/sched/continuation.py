@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest, SchedulerOutput
 from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler
+from engine.core.sched.scheduler import Scheduler
 
 
 def schedule_continuation(
@@ -22,7 +22,7 @@ def schedule_continuation(
     """The step after `previous` (launched, not yet collected), or None where it cannot be
     told yet. Grammar rows make it None: their matchers need the step before's tokens on
     the host."""
-    if scheduler.waiting and scheduler._may_admit():
+    if scheduler.waiting and scheduler.may_admit():
         return None
     # After drafts, how far each request got is not known yet; and a speculator that would
     # draft must see the step's requests first.
@@ -70,7 +70,7 @@ def schedule_continuation(
         )
     if not rows:
         return None
-    ended, scheduler._ended_since_last_step = scheduler._ended_since_last_step, []
+    ended, scheduler.ended_since_last_step = scheduler.ended_since_last_step, []
     scheduler.num_steps_total += 1
     scheduler.steps.scheduled(len(rows), len(rows))
     return SchedulerOutput(scheduled=rows, num_batched_tokens=len(rows), finished_request_ids=ended)
