@@ -14,16 +14,13 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.config import EngineConfig
 from engine.core.outputs import ScheduledRequest
 from engine.runner.decode_inputs import DecodeInputs, capture_sizes, decode_forward
-
-if TYPE_CHECKING:
-    from engine.core.config import EngineConfig
-    from engine.runner.torch_runner import TorchModelRunner
+from engine.runner.device_model import DeviceModel, KVCaches
 
 logger = logging.getLogger(__name__)
 
@@ -32,32 +29,31 @@ logger = logging.getLogger(__name__)
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def graph_query_rows(runner: TorchModelRunner, config: EngineConfig) -> list[int]:
-    """The query tokens per row of each set of decode graphs `runner` captures (1: plain
-    decodes; k + 1: speculative rows); none where steps run eagerly."""
-    graphable = runner.backend.supports_graphs and config.tensor_parallel_size == 1
-    if runner.device.type != "cuda" or not graphable or config.enforce_eager:
+def graph_query_rows(dm: DeviceModel, config: EngineConfig) -> list[int]:
+    """The query tokens per row of each set of decode graphs a runner of `dm` captures (1:
+    plain decodes; k + 1: speculative rows); none where steps run eagerly."""
+    graphable = dm.backend.supports_graphs and config.tensor_parallel_size == 1
+    if dm.device.type != "cuda" or not graphable or config.enforce_eager:
         return []
     spec = config.speculative
     return [1, spec.num_speculative_tokens + 1] if spec.enabled else [1]
 
 
 def measure_graph_bytes(
-    runner: TorchModelRunner, max_num_seqs: int, max_model_len: int, query_rows: list[int]
+    dm: DeviceModel, max_num_seqs: int, max_model_len: int, query_rows: list[int]
 ) -> int:
     """Device bytes the decode graphs hold once captured (their pool, buffers and the capture
     stream's workspace): captured over a one-block cache before the real one exists, then
     freed. The KV cache's budget leaves them room."""
-    device = runner.device
-    spec = runner.spec
-    shape = (1, runner.block_size, spec.num_kv_heads, spec.head_dim)
-    block = torch.zeros(shape, dtype=runner.kv_dtype, device=device)
-    runner.kv_caches, runner.scratch_block = [(block, block)] * spec.num_layers, 0
+    device, spec = dm.device, dm.spec
+    shape = (1, dm.block_size, spec.num_kv_heads, spec.head_dim)
+    block = torch.zeros(shape, dtype=dm.kv_dtype, device=device)
+    caches = [(block, block)] * spec.num_layers
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    graphs = [DecodeGraphs(runner, max_num_seqs, max_model_len, q) for q in query_rows]
+    graphs = [DecodeGraphs(dm, caches, 0, max_num_seqs, max_model_len, q) for q in query_rows]
     held = torch.cuda.memory_allocated(device) - before
-    del graphs, runner.kv_caches, runner.scratch_block, block
+    del graphs, caches, block
     torch.cuda.empty_cache()
     return max(held, 0)
 
@@ -65,25 +61,30 @@ def measure_graph_bytes(
 class DecodeGraphs:
     def __init__(
         self,
-        runner: TorchModelRunner,
+        dm: DeviceModel,
+        kv_caches: KVCaches,
+        scratch_block: int,
         max_num_seqs: int,
         max_model_len: int,
         tokens_per_row: int = 1,
     ) -> None:
-        self.runner = runner
+        """Captured over `kv_caches`, padding rows writing `scratch_block`."""
+        self.dm = dm
+        self.kv_caches = kv_caches
+        self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_num_seqs)
         self.tokens_per_row = tokens_per_row
         # A row's padding positions may reach past max_model_len: their table columns exist.
-        blocks_per_row = -(-(max_model_len + tokens_per_row) // runner.block_size)
+        blocks_per_row = -(-(max_model_len + tokens_per_row) // dm.block_size)
         self.inputs = DecodeInputs.allocate(
-            self.sizes[-1], blocks_per_row, runner.device, tokens_per_row
+            self.sizes[-1], blocks_per_row, dm.device, tokens_per_row
         )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.capture()
 
     def capture(self) -> None:
-        runner, device = self.runner, self.runner.device
+        device = self.dm.device
         free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -92,7 +93,7 @@ class DecodeGraphs:
         stream = _capture_streams[device]
         # Largest first: the smaller graphs then fit in the memory the first one reserved.
         for size in reversed(self.sizes):
-            self.inputs.fill([], size, runner.block_size, runner.scratch_block)
+            self.inputs.fill([], size, self.dm.block_size, self.scratch_block)
             rows = self.inputs.rows(size)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):  # warm-up: lazy init and autotuning off-graph
@@ -124,25 +125,25 @@ class DecodeGraphs:
         if len(order) > self.sizes[-1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, len(order))]
-        runner, q = self.runner, self.tokens_per_row
-        self.inputs.fill(order, size, runner.block_size, runner.scratch_block)
+        model, q = self.dm.model, self.tokens_per_row
+        self.inputs.fill(order, size, self.dm.block_size, self.scratch_block)
         if known is not None:
             self.inputs.input_ids[known[0]] = known[1]
         self._graphs[size].replay()
         hidden = self._outputs[size]
         if positions is not None:
-            return runner.model.logits(hidden[torch.tensor(positions, device=hidden.device)])
-        return runner.model.logits(hidden[: len(order) * q : q])
+            return model.logits(hidden[torch.tensor(positions, device=hidden.device)])
+        return model.logits(hidden[: len(order) * q : q])
 
     def replay_hidden(self, order: list[ScheduledRequest]) -> torch.Tensor:
         """The final hidden states of a decode step of `order`, by replaying the graph of
         exactly their count; the buffers keep the step for an eager run to compare with (the
         GPU self-check)."""
         size = len(order)
-        self.inputs.fill(order, size, self.runner.block_size, self.runner.scratch_block)
+        self.inputs.fill(order, size, self.dm.block_size, self.scratch_block)
         self._graphs[size].replay()
         return self._outputs[size].clone()
 
     def _forward(self, rows: DecodeInputs) -> torch.Tensor:
-        r = self.runner
-        return decode_forward(r.model, r.backend, rows, r.kv_caches, r.spec.sliding_window)
+        dm = self.dm
+        return decode_forward(dm.model, dm.backend, rows, self.kv_caches, dm.spec.sliding_window)

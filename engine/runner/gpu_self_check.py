@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,11 +29,10 @@ from engine.quant.linear import (
     quantized_layers,
     reference_kernel,
 )
+from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.decode_inputs import decode_forward
+from engine.runner.device_model import DeviceModel
 from engine.sampling import token_draw
-
-if TYPE_CHECKING:
-    from engine.runner.torch_runner import TorchModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -53,48 +51,45 @@ class PartCheck:
     reason: str  # why it fell back ("" when it passed)
 
 
-def check_kernels(runner: TorchModelRunner) -> list[PartCheck]:
-    """Check (and where needed replace) the attention backend, the quantized GEMMs and the
-    draw kernel of `runner`."""
+def check_kernels(dm: DeviceModel) -> list[PartCheck]:
+    """Check the attention backend, the quantized GEMMs, the draw kernel and LoRA's kernels
+    of `dm`. A failing GEMM, draw or LoRA kernel is replaced in its layer, sampler or slots;
+    a failing attention backend is the caller's to replace (its verdict says so)."""
     results = []
-    if runner.backend.name in ("triton", "flashinfer"):
-        run = partial(_attention, runner)
-        results.append(_check("attention", run, _attention_fallback(runner)))
-    model = runner.model
+    if dm.backend.name in ("triton", "flashinfer"):
+        results.append(_check("attention", partial(_attention, dm), lambda: None))
     for layout, (part, _) in FAST_KERNELS.items():
-        layers = [q for q in quantized_layers(model) if q.layout == layout]
+        layers = [q for q in quantized_layers(dm.model) if q.layout == layout]
         if not layers or layers[0].kernel is reference_kernel:
             continue
         tolerance = _FP8_GEMM_TOLERANCE if layout == "fp8" else None
-        run = partial(_gemm, layers[0], runner.dtype)
+        run = partial(_gemm, layers[0], dm.dtype)
         results.append(_check(part, run, partial(_use_reference, layers), tolerance))
-    sampler = runner.sampler
-    if runner.device.type == "cuda" or sampler.draw_rows is not token_draw.draw:
+    sampler = dm.sampler
+    if dm.device.type == "cuda" or sampler.draw_rows is not token_draw.draw:
 
         def draw_fallback() -> None:
             sampler.draw_rows = token_draw.draw_by_sort
 
-        results.append(_check("token_draw", partial(_draw, runner), draw_fallback, exact=True))
-    lora = runner.lora
+        results.append(_check("token_draw", partial(_draw, dm), draw_fallback, exact=True))
+    lora = dm.lora
     if lora is not None and lora.kernel:
 
         def lora_fallback() -> None:
             lora.kernel = False
 
-        results.append(_check("lora", partial(_lora, runner), lora_fallback))
+        results.append(_check("lora", partial(_lora, dm), lora_fallback))
     return results
 
 
-def check_graphs(runner: TorchModelRunner) -> list[PartCheck]:
-    """Replay one captured decode graph against the same step run eagerly; on a mismatch the
-    replica runs every step eagerly."""
-    if runner.graphs is None:
-        return []
+def check_graphs(graphs: DecodeGraphs, dm: DeviceModel) -> list[PartCheck]:
+    """Replay one captured decode graph against the same step run eagerly; on a mismatch
+    the caller runs every step eagerly (its verdict says so)."""
+    return [_check("decode_graph", lambda: _graph(graphs, dm), lambda: None)]
 
-    def fallback() -> None:
-        runner.graphs = None
 
-    return [_check("decode_graph", lambda: _graph(runner), fallback)]
+def fell_back(checks: list[PartCheck], part: str) -> bool:
+    return any(c.part == part and c.result == "fallback" for c in checks)
 
 
 def _check(
@@ -137,10 +132,10 @@ def _mismatch(
     return None if error <= tolerance else f"relative RMS error {error:.3g} > {tolerance:g}"
 
 
-def _attention(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:
     """Two decodes and a prefill chunk resuming on a cached prefix, over a scratch cache of
-    the runner's layout and dtype (the real cache is not touched)."""
-    spec, device, bs = runner.spec, runner.device, runner.block_size
+    the model's cache layout and dtype (the real cache is not touched)."""
+    spec, device, bs = dm.spec, dm.device, dm.block_size
     gen = torch.Generator(device="cpu").manual_seed(0)
     shapes = [(3 * bs + 1, 1), (bs // 2, 1), (bs + 3, 2 * bs + 5)]  # (cached, new)
     blocks = [-(-(c + n) // bs) for c, n in shapes]
@@ -165,31 +160,23 @@ def _attention(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
     heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen).to(device=device, dtype=runner.dtype)
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dm.dtype)
 
     cache_shape = (sum(blocks) + 1, bs, kv_heads, dim)
-    cache = [randn(*cache_shape).to(runner.kv_dtype) for _ in range(2)]
+    cache = [randn(*cache_shape).to(dm.kv_dtype) for _ in range(2)]
     q = randn(offsets[-1], heads, dim)
     k, v = randn(offsets[-1], kv_heads, dim), randn(offsets[-1], kv_heads, dim)
     scales = None
-    if runner.kv_dtype == FP8_KV:
+    if dm.kv_dtype == FP8_KV:
         scales = (torch.tensor(1.0, device=device), torch.tensor(1.0, device=device))
     outputs = []
-    for backend in (runner.backend, TorchAttentionBackend()):
+    for backend in (dm.backend, TorchAttentionBackend()):
         k_cache, v_cache = (c.clone() for c in cache)
         metadata = backend.prepare(layout)
         outputs.append(
             backend.forward(q, k, v, k_cache, v_cache, metadata, dim**-0.5, kv_scales=scales)
         )
     return outputs[0], outputs[1]
-
-
-def _attention_fallback(runner: TorchModelRunner) -> Callable[[], None]:
-    def fallback() -> None:
-        runner.backend = TorchAttentionBackend()
-        runner.backend_reason = "the GPU self-check ruled out the chosen backend"
-
-    return fallback
 
 
 def _use_reference(layers: list[QuantizedLinear]) -> None:
@@ -204,14 +191,14 @@ def _gemm(layer: QuantizedLinear, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return layer.kernel(layer, x), reference_kernel(layer, x)
 
 
-def _lora(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+def _lora(dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:
     """Two adapters of random weights in the first layer's q/k/v shape over two segments
     (one spanning tiles): the Triton kernels, then the torch path."""
     from engine.lora.layer_lora import LayerLoRA
     from engine.lora.segments import LoRAStep, plan
     from engine.lora.triton_kernels import KernelSegments
 
-    slot_a, slot_parts = runner.lora.layers[0]["self_attn.qkv_proj"]
+    slot_a, slot_parts = dm.lora.layers[0]["self_attn.qkv_proj"]
     device, dtype = slot_a.device, slot_a.dtype
     gen = torch.Generator(device="cpu").manual_seed(3)
 
@@ -233,12 +220,12 @@ def _lora(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
     return got, want
 
 
-def _draw(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows with each filter and none, at a few temperatures, drawn by the kernel and by the
     sorted definition at the same uniforms."""
     gen = torch.Generator(device="cpu").manual_seed(2)
-    vocab = runner.spec.vocab_size
-    logits = (torch.randn(8, vocab, generator=gen) * 3).to(runner.device)
+    vocab = dm.spec.vocab_size
+    logits = (torch.randn(8, vocab, generator=gen) * 3).to(dm.device)
     params = [
         SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
         for t, k, p, m in [
@@ -252,27 +239,25 @@ def _draw(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
             (2.0, 100, 0.95, 0.01),
         ]
     ]
-    u = torch.rand(8, generator=gen).to(runner.device)
-    got = runner.sampler.draw_rows(logits, params, u)
+    u = torch.rand(8, generator=gen).to(dm.device)
+    got = dm.sampler.draw_rows(logits, params, u)
     return got, token_draw.draw_by_sort(logits, params, u)
 
 
-def _graph(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+def _graph(graphs: DecodeGraphs, dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step replayed, then run eagerly. Row i decodes at position i of the scratch
     block: each row writes its own slot and reads only slots written in this step (padding
     rows, which all write one slot, would race)."""
-    graphs = runner.graphs
-    assert graphs is not None
-    size = max(s for s in graphs.sizes if s <= runner.block_size)
+    size = max(s for s in graphs.sizes if s <= dm.block_size)
     gen = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, runner.spec.vocab_size, (size,), generator=gen).tolist()
+    ids = torch.randint(0, dm.spec.vocab_size, (size,), generator=gen).tolist()
+    scratch = graphs.scratch_block
     order = [
-        ScheduledRequest(f"self-check-{i}", [t], i, [runner.scratch_block], True, _GREEDY, 0)
+        ScheduledRequest(f"self-check-{i}", [t], i, [scratch], True, _GREEDY, 0)
         for i, t in enumerate(ids)
     ]
     replayed = graphs.replay_hidden(order)
     eager = decode_forward(
-        runner.model, runner.backend, graphs.inputs.rows(size), runner.kv_caches,
-        runner.spec.sliding_window,
-    )  # fmt: skip
+        dm.model, dm.backend, graphs.inputs.rows(size), graphs.kv_caches, dm.spec.sliding_window
+    )
     return replayed, eager

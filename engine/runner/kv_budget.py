@@ -5,7 +5,6 @@ the scheduler can form measures the peak activation memory, and the cache takes
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +12,7 @@ from engine.core.config import CacheConfig, SchedulerConfig
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
 from engine.runner.decode_graphs import measure_graph_bytes
-
-if TYPE_CHECKING:
-    from engine.runner.torch_runner import TorchModelRunner
+from engine.runner.device_model import DeviceModel
 
 logger = logging.getLogger(__name__)
 
@@ -29,45 +26,45 @@ _GRAPH_CAPTURE_SLACK = 16 << 20
 
 
 def num_cache_blocks(
-    runner: TorchModelRunner,
+    dm: DeviceModel,
     cache: CacheConfig,
     scheduler: SchedulerConfig,
     max_model_len: int,
     graph_rows: list[int],
 ) -> int:
-    """The KV blocks of `runner`'s rank: cache.num_blocks, else as many as its budget holds.
+    """The KV blocks of `dm`'s rank: cache.num_blocks, else as many as its budget holds.
     `graph_rows`: the decode graphs it will capture (engine/runner/decode_graphs.py)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    budget = kv_cache_budget(runner, cache, scheduler, max_model_len, graph_rows)
-    num_blocks = budget // runner.bytes_per_block()
+    budget = kv_cache_budget(dm, cache, scheduler, max_model_len, graph_rows)
+    num_blocks = budget // dm.bytes_per_block()
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_bytes: a budget of {budget} bytes holds no KV block "
-            f"({runner.bytes_per_block()} bytes each)"
+            f"({dm.bytes_per_block()} bytes each)"
         )
     return num_blocks
 
 
 def kv_cache_budget(
-    runner: TorchModelRunner,
+    dm: DeviceModel,
     cache: CacheConfig,
     scheduler: SchedulerConfig,
     max_model_len: int,
     graph_rows: list[int],
 ) -> int:
     # A replica's byte budget is shared by its tensor-parallel ranks (a GPU's by its one rank).
-    ranks = runner.tp.shard.world_size if runner.tp is not None else 1
+    ranks = dm.world_size
     if cache.kv_cache_bytes is not None:
         return cache.kv_cache_bytes // ranks
-    if runner.device.type != "cuda":
+    if dm.device.type != "cuda":
         return CPU_KV_CACHE_BYTES // ranks
-    device = runner.device
+    device = dm.device
     weights = torch.cuda.memory_allocated(device)
-    peak = profile_step_bytes(runner, scheduler, max_model_len)
+    peak = profile_step_bytes(dm, scheduler, max_model_len)
     graphs = 0
     if graph_rows:
-        graphs = measure_graph_bytes(runner, scheduler.max_num_seqs, max_model_len, graph_rows)
+        graphs = measure_graph_bytes(dm, scheduler.max_num_seqs, max_model_len, graph_rows)
         graphs += _GRAPH_CAPTURE_SLACK
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * cache.gpu_memory_fraction) - weights - peak - graphs
@@ -97,17 +94,15 @@ def warn_if_short(cache_tokens: int, max_model_len: int) -> None:
         )
 
 
-def profile_step_bytes(
-    runner: TorchModelRunner, scheduler: SchedulerConfig, max_model_len: int
-) -> int:
+def profile_step_bytes(dm: DeviceModel, scheduler: SchedulerConfig, max_model_len: int) -> int:
     """Peak device bytes a forward of the largest step takes beyond what is allocated now
     (and beyond its scratch cache)."""
-    device = runner.device
+    device = dm.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    logits = run_largest_step(runner, scheduler, max_model_len)
+    logits = run_largest_step(dm, scheduler, max_model_len)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del logits
@@ -116,20 +111,20 @@ def profile_step_bytes(
 
 
 def run_largest_step(
-    runner: TorchModelRunner, scheduler: SchedulerConfig, max_model_len: int
+    dm: DeviceModel, scheduler: SchedulerConfig, max_model_len: int
 ) -> torch.Tensor:
     """Prefill `max_num_batched_tokens` tokens over as many requests as the step may hold
     (each sampled: the most logits rows), into a scratch cache freed on return."""
-    order = largest_step(scheduler, runner.block_size, max_model_len)
+    order = largest_step(scheduler, dm.block_size, max_model_len)
     num_blocks = sum(len(r.block_ids) for r in order)
-    spec = runner.spec
-    shape = (num_blocks, runner.block_size, spec.num_kv_heads, spec.head_dim)
-    k, v = (torch.empty(shape, dtype=runner.kv_dtype, device=runner.device) for _ in range(2))
+    spec = dm.spec
+    shape = (num_blocks, dm.block_size, spec.num_kv_heads, spec.head_dim)
+    k, v = (torch.empty(shape, dtype=dm.kv_dtype, device=dm.device) for _ in range(2))
     scratch = [(k, v)] * spec.num_layers  # every layer writes the same scratch blocks
-    input_ids, positions, layout, logits_indices = runner.prepare_inputs(order)
-    metadata = runner.backend.prepare(layout)
+    input_ids, positions, layout, logits_indices = dm.prepare_inputs(order)
+    metadata = dm.backend.prepare(layout)
     with torch.inference_mode():
-        return runner.model(input_ids, positions, scratch, runner.backend, metadata, logits_indices)
+        return dm.model(input_ids, positions, scratch, dm.backend, metadata, logits_indices)
 
 
 def largest_step(

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from engine.model.sharding import Shard
 from engine.runner.rank_bundles import (
     HostedRank,
-    connect_to_rank0,
     current_bundles,
     start_in_bundle,
 )
@@ -34,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 class RankWorkers:
     """Rank 0's handle on ranks 1..N-1: their processes and the connections that carry
-    steps. Each worker is a fresh interpreter (`python -m` this module), not a fork of an
-    engine process that holds threads and a loop, nor multiprocessing's spawn, which would
-    import the caller's main script again."""
+    steps. Each worker is a fresh interpreter (`python -m engine.runner.rank_process`), not
+    a fork of an engine process that holds threads and a loop, nor multiprocessing's spawn,
+    which would import the caller's main script again."""
 
     def __init__(self, config: Any, world_size: int) -> None:
         # Port 0: the store listens where the system lets it; workers learn the port.
@@ -45,11 +44,12 @@ class RankWorkers:
         self.processes: list[subprocess.Popen | HostedRank] = []
         self._connections: list[Connection] = []
         # In a Serve replica placed as a bundle per rank, each rank runs in its own bundle.
+        module = "engine.runner.rank_process"
         bundles = current_bundles(world_size)
         try:
             for rank in range(1, world_size):
                 # The leader's pid in the command line: `ps` tells which replica a rank serves.
-                command = [sys.executable, "-m", __name__, str(rank), f"leader={os.getpid()}"]
+                command = [sys.executable, "-m", module, str(rank), f"leader={os.getpid()}"]
                 if bundles is not None:
                     connection, process = start_in_bundle(bundles, rank, command, path)
                 else:
@@ -123,32 +123,3 @@ class RankedStep:
             if problem is None:
                 raise
             raise RuntimeError(problem) from exc
-
-
-def run_rank(connection: Connection) -> None:
-    """A worker process: build this rank's runner, then run every step rank 0 sends until it
-    sends None or rank 0's process ends (the connection closes)."""
-    config, shard, port = connection.recv()
-    from engine.runner.torch_runner import TorchModelRunner
-
-    store = dist.TCPStore("127.0.0.1", port, shard.world_size, False)
-    runner = TorchModelRunner(config, shard=shard, store=store)
-    while True:
-        try:
-            step = pickle.loads(connection.recv_bytes())
-        except (EOFError, OSError):
-            break
-        if step is None:
-            break
-        runner.follow(step)
-    logger.info("tensor-parallel rank %d (pid %d) stops", shard.rank, os.getpid())
-
-
-if __name__ == "__main__":
-    # python -m engine.runner.tensor_parallel RANK leader=PID fd:N (inherited) | HOST:PORT
-    rank, where = sys.argv[1], sys.argv[3]
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(message)s")
-    if where.startswith("fd:"):
-        run_rank(Connection(int(where.removeprefix("fd:"))))
-    else:
-        run_rank(connect_to_rank0(where))

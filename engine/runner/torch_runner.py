@@ -11,6 +11,7 @@ from torch.distributed import Store
 
 from engine.attention.base import BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.config import EngineConfig
 from engine.core.outputs import (
     ModelRunnerOutput,
@@ -30,8 +31,9 @@ from engine.quant.kv_scales import measure_missing_kv_scales
 from engine.quant.linear import use_kernels
 from engine.runner.continued_inputs import previous_tokens, step_known_inputs
 from engine.runner.decode_graphs import DecodeGraphs, graph_query_rows
+from engine.runner.device_model import DeviceModel
 from engine.runner.engine_threads import set_engine_threads
-from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels
+from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels, fell_back
 from engine.runner.kv_budget import num_cache_blocks, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
@@ -128,10 +130,10 @@ class TorchModelRunner:
         # Kernels checked (engine/runner/gpu_self_check.py) before the KV budget profiles a
         # step with them and graphs capture them; what they keep on the device is counted.
         check = config.gpu_self_check
-        self.self_check: list[PartCheck] = check_kernels(self) if check else []
-        graph_rows = graph_query_rows(self, config)
+        self.self_check: list[PartCheck] = self.check_kernels() if check else []
+        graph_rows = graph_query_rows(self.device_model(), config)
         self._num_blocks = num_cache_blocks(
-            self, config.cache, config.scheduler, max_len, graph_rows
+            self.device_model(), config.cache, config.scheduler, max_len, graph_rows
         )
         if self.tp is not None:  # every rank holds each block's share of the heads
             self._num_blocks = self.tp.min(self._num_blocks)
@@ -154,11 +156,13 @@ class TorchModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: DecodeGraphs | None = None  # rows of a last token and its drafts
         if graph_rows:
+            dm, caches, scratch = self.device_model(), self.kv_caches, self.scratch_block
             max_seqs = config.scheduler.max_num_seqs
-            self.graphs = DecodeGraphs(self, max_seqs, max_len)
-            self.self_check += check_graphs(self) if check else []
+            self.graphs = DecodeGraphs(dm, caches, scratch, max_seqs, max_len)
+            self.self_check += self.check_graphs() if check else []
             if len(graph_rows) > 1:
-                self.spec_graphs = DecodeGraphs(self, max_seqs, max_len, graph_rows[1])
+                q = graph_rows[1]
+                self.spec_graphs = DecodeGraphs(dm, caches, scratch, max_seqs, max_len, q)
         if config.cache.calculate_kv_scales:  # from the first real step, not dummy ones
             measure_missing_kv_scales(self.model)
 
@@ -279,11 +283,37 @@ class TorchModelRunner:
         # One-token prefill chunks that end before the prompt does sample nothing.
         return logits[[i for i, r in enumerate(order) if r.sample]]
 
-    # ------------------------------------------------------------------------- helpers
+    # ------------------------------------------------------------------- its parts
+    def device_model(self) -> DeviceModel:
+        """This rank's model and what a step of it takes, for the decode graphs, the KV
+        budget and the self-check."""
+        world = self.tp.shard.world_size if self.tp is not None else 1
+        return DeviceModel(
+            self.model, self.spec, self.device, self.dtype, self.kv_dtype, self.block_size,
+            self.backend, self.sampler, self.lora, world,
+        )  # fmt: skip
+
+    def check_kernels(self) -> list[PartCheck]:
+        """The GPU self-check of the kernels (engine/runner/gpu_self_check.py); an attention
+        backend that failed is replaced by the reference here."""
+        checks = check_kernels(self.device_model())
+        if fell_back(checks, "attention"):
+            self.backend = TorchAttentionBackend()
+            self.backend_reason = "the GPU self-check ruled out the chosen backend"
+        return checks
+
+    def check_graphs(self) -> list[PartCheck]:
+        """The GPU self-check of the decode graphs: where a replay disagrees with the eager
+        step, every step runs eagerly from now on."""
+        if self.graphs is None:
+            return []
+        checks = check_graphs(self.graphs, self.device_model())
+        if fell_back(checks, "decode_graph"):
+            self.graphs = None
+        return checks
+
     def bytes_per_block(self) -> int:
-        s: DecoderSpec = self.spec
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+        return self.device_model().bytes_per_block()
 
     def prepare_inputs(
         self, order: list[ScheduledRequest]

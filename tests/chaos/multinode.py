@@ -62,7 +62,7 @@ def _ranks_with_leader(stats: dict[str, dict], workers: list) -> list[bool]:
     leader's node (none without tensor parallelism)."""
     same = []
     for s in stats.values():
-        pattern = f"engine.runner.tensor_parallel [0-9]+ leader={s['pid']} "
+        pattern = f"engine.runner.rank_process [0-9]+ leader={s['pid']} "
         found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
         leader = _node_of(s["pid"], workers)
         same += [_node_of(int(pid), workers) == leader for pid in found.stdout.split()]

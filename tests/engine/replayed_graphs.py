@@ -28,7 +28,7 @@ class ReplayedGraph:
 class ReplayedDecodeGraphs(DecodeGraphs):
     def capture(self) -> None:
         for size in self.sizes:
-            self.inputs.fill([], size, self.runner.block_size, self.runner.scratch_block)
+            self.inputs.fill([], size, self.dm.block_size, self.scratch_block)
             graph = ReplayedGraph(self._forward, self.inputs.rows(size))
             self._graphs[size], self._outputs[size] = graph, graph.output
 
@@ -44,7 +44,7 @@ def replay_decodes(engine, largest: int) -> ReplayedDecodeGraphs:
     runner = engine.runner
     assert runner.backend.supports_graphs and runner.graphs is None
     with torch.inference_mode():
-        runner.graphs = ReplayedDecodeGraphs(runner, largest, runner.max_model_len())
+        runner.graphs = ReplayedDecodeGraphs(*_parts(runner), largest, runner.max_model_len())
     return runner.graphs
 
 
@@ -55,5 +55,11 @@ def replay_spec_decodes(engine, largest: int) -> ReplayedDecodeGraphs:
     assert runner.backend.supports_graphs and runner.spec_graphs is None
     q = engine.config.speculative.num_speculative_tokens + 1
     with torch.inference_mode():
-        runner.spec_graphs = ReplayedDecodeGraphs(runner, largest, runner.max_model_len(), q)
+        max_len = runner.max_model_len()
+        runner.spec_graphs = ReplayedDecodeGraphs(*_parts(runner), largest, max_len, q)
     return runner.spec_graphs
+
+
+def _parts(runner) -> tuple:
+    """What decode graphs are captured over: the runner's model and its KV cache."""
+    return runner.device_model(), runner.kv_caches, runner.scratch_block

@@ -18,7 +18,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from cluster.control import ControlDecision, ReplicaStats  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.quant.linear import int4_triton_kernel, set_layout_kernel  # noqa: E402
-from engine.runner.gpu_self_check import check_graphs, check_kernels  # noqa: E402
 from engine.sampling import token_draw  # noqa: E402
 from serve_app.telemetry import render_engine_metrics  # noqa: E402
 from tests.conftest import build_engine  # noqa: E402
@@ -53,7 +52,7 @@ def test_the_check_runs_at_start_and_passes_working_kernels(tiny_model):
 def test_a_wrong_attention_kernel_falls_back_to_torch(tiny_model):
     engine = build_engine(tiny_model, attention_backend="triton")
     engine.runner.backend = WrongScaleAttention()
-    (check,) = check_kernels(engine.runner)
+    (check,) = engine.runner.check_kernels()
     assert (check.part, check.result) == ("attention", "fallback")
     assert "relative RMS error" in check.reason
     assert engine.runner.backend.name == "torch"
@@ -68,7 +67,7 @@ def test_a_gemm_kernel_that_raises_falls_back_to_the_reference():
         raise RuntimeError("CUDA error: no kernel image is available for execution")
 
     set_layout_kernel(engine.runner.model, "int4", no_kernel_image)
-    (check,) = check_kernels(engine.runner)
+    (check,) = engine.runner.check_kernels()
     assert (check.part, check.result) == ("int4_gemm", "fallback")
     assert "no kernel image" in check.reason
     _serves_like_the_oracle(engine, twin)
@@ -77,14 +76,14 @@ def test_a_gemm_kernel_that_raises_falls_back_to_the_reference():
 def test_a_working_int4_triton_kernel_passes():
     engine = build_engine(quant_model("awq")[0])
     set_layout_kernel(engine.runner.model, "int4", int4_triton_kernel)  # interpreted
-    assert [(c.part, c.result) for c in check_kernels(engine.runner)] == [("int4_gemm", "pass")]
+    assert [(c.part, c.result) for c in engine.runner.check_kernels()] == [("int4_gemm", "pass")]
 
 
 def test_a_wrong_draw_kernel_falls_back_to_the_sorted_draw(tiny_model):
     engine = build_engine(tiny_model)
     sampler = engine.runner.sampler
     sampler.draw_rows = lambda logits, params, u: logits.argmax(-1)  # ignores the filters
-    (check,) = check_kernels(engine.runner)
+    (check,) = engine.runner.check_kernels()
     assert (check.part, check.result) == ("token_draw", "fallback")
     assert sampler.draw_rows is token_draw.draw_by_sort
 
@@ -99,7 +98,7 @@ def test_lora_kernels_are_checked_and_a_wrong_one_falls_back(tiny_model, monkeyp
     lora.kernel = True  # as on CUDA
     if broken:  # an expand that adds nothing
         monkeypatch.setattr(triton_kernels, "lora_expand", lambda *args: None)
-    (check,) = check_kernels(engine.runner)
+    (check,) = engine.runner.check_kernels()
     assert (check.part, check.result) == ("lora", "fallback" if broken else "pass")
     assert lora.kernel is not broken
 
@@ -111,7 +110,7 @@ def test_a_decode_graph_that_replays_stale_outputs_falls_back_to_eager(tiny_mode
     if broken:
         for graph in graphs._graphs.values():
             graph.replay = lambda: None  # the outputs of capture time, not of the new inputs
-    (check,) = check_graphs(engine.runner)
+    (check,) = engine.runner.check_graphs()
     assert check.part == "decode_graph"
     assert check.result == ("fallback" if broken else "pass")
     assert (engine.runner.graphs is None) == broken
@@ -122,7 +121,7 @@ def test_a_decode_graph_that_replays_stale_outputs_falls_back_to_eager(tiny_mode
 def test_verdicts_are_exported_as_an_info_metric(tiny_model):
     engine = build_engine(tiny_model, attention_backend="triton")
     engine.runner.backend = WrongScaleAttention()
-    checks = check_kernels(engine.runner)
+    checks = engine.runner.check_kernels()
     stats = ReplicaStats(
         replica_id="r1",
         scheduler=engine.stats(),

@@ -35,7 +35,7 @@ def test_the_profiled_step_runs_beside_the_cache_and_leaves_it_alone(tiny_model)
     runner = engine.runner
     before = [k.clone() for k, _ in runner.kv_caches]
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96)
-    logits = run_largest_step(runner, scheduler, runner.max_model_len())
+    logits = run_largest_step(runner.device_model(), scheduler, runner.max_model_len())
     assert logits.shape == (8, runner.spec.vocab_size)
     assert torch.isfinite(logits).all()
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, runner.kv_caches, strict=True))

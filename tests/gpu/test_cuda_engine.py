@@ -162,7 +162,7 @@ def test_the_profiled_kv_cache_leaves_room_for_the_largest_step(tiny_model):
     cache_bytes = runner.num_kv_blocks() * runner.bytes_per_block()
     assert cache_bytes > 0.8 * fraction * total  # the tiny model's weights are negligible
     torch.cuda.reset_peak_memory_stats()
-    run_largest_step(runner, engine.scheduler.config, runner.max_model_len())
+    run_largest_step(runner.device_model(), engine.scheduler.config, runner.max_model_len())
     assert torch.cuda.max_memory_allocated() <= fraction * total
 
 

@@ -45,7 +45,7 @@ def _greedy(base_url: str, prompt: str) -> str:
 def _ranks(replica_pid: int) -> list[int]:
     """The rank processes serving the replica (each in its own bundle, started by a RankHost
     actor: not the replica's children)."""
-    pattern = f"engine.runner.tensor_parallel [0-9]+ leader={replica_pid} "
+    pattern = f"engine.runner.rank_process [0-9]+ leader={replica_pid} "
     found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
 
