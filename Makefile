@@ -26,6 +26,7 @@ models: $(TINY)
 
 test: install models
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q --durations=25
 
 # `serve run deploy.yaml` (local Ray, tiny model on CPU); prints curl and openai examples.
@@ -34,9 +35,10 @@ serve: install models
 
 lint: install
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install $(SMALL)
 	$(PY) -m loadtests.bench_engine --model small
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) models .pytest_cache .hypothesis .ruff_cache .import_linter_cache

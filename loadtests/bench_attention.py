@@ -25,7 +25,6 @@ from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.errors import InvalidParam
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
-from engine.cpu.packed_weights import weight_bytes
 from engine.runner.torch_runner import TorchModelRunner
 from loadtests.peaks import peak_gemm_flops, peak_read_bandwidth, timed
 
@@ -90,7 +89,7 @@ def bench(args: argparse.Namespace) -> dict:
     device, spec = args.device, runner.spec
     bandwidth = peak_read_bandwidth(device=device)
     matmul_peak = peak_gemm_flops(device=device, dtype=args.dtype)
-    weights = weight_bytes(runner.model)
+    weights = runner.weight_bytes()
     shape = AttentionShape(runner.device.type, args.dtype, spec.head_dim, bs)
     scale = spec.head_dim**-0.5
     rows = []

@@ -18,6 +18,7 @@ import torch
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
+from engine.kernel_peaks import native_gemm_flops
 from engine.llm_engine import LLMEngine
 from engine.model.loader import read_spec
 from engine.runner.cost_model import GpuSpec
@@ -25,7 +26,7 @@ from engine.runner.recording import RecordingRunner
 from engine.runner.torch_runner import TorchModelRunner
 from loadtests.cpu_accounting import StealMeter, host_info, steal_adjusted
 from loadtests.hf_baseline import run_hf_static
-from loadtests.peaks import measure_device, peak_native_gemm_flops
+from loadtests.peaks import measure_device
 from loadtests.roofline import schedule_bound_s, workload_flops
 from loadtests.workload import WorkItem, load_workload, resolve_model
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     items = load_workload(args.workload, spec.vocab_size, seed=0, limit=args.num_requests)
     peaks = measure_device(args.kv_cache_gb * 2**30, args.device, args.dtype)
     cpu_f32 = args.device == "cpu" and args.dtype == "float32"
-    native_peak = peak_native_gemm_flops() if cpu_f32 else None
+    native_peak = native_gemm_flops() if cpu_f32 else None
     flops = workload_flops(spec, items)
 
     result: dict = {

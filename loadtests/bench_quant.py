@@ -24,7 +24,6 @@ import torch
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
-from engine.cpu.packed_weights import weight_bytes
 from engine.llm_engine import LLMEngine
 from engine.model.loader import read_spec
 from loadtests.peaks import peak_read_bandwidth
@@ -105,7 +104,7 @@ def run_variant(name: str, model: str, quantization: str | None, args, bandwidth
     vocab = read_spec(model).vocab_size
     engine = _engine(model, quantization, args)
     runner = engine.runner
-    weights = weight_bytes(runner.model)
+    weights = runner.weight_bytes()
     kv_per_token = runner.bytes_per_block() / runner.block_size
     rng = random.Random(0)
     decode = {}

@@ -34,22 +34,6 @@ def peak_gemm_flops(
     return 2 * n**3 / min(timed(lambda: torch.matmul(a, b), device) for _ in range(reps))
 
 
-def peak_native_gemm_flops(n: int = 2048, reps: int = 10) -> float | None:
-    """Best FLOP/s of the engine's own CPU GEMM (`engine/cpu/csrc/gemm_fm.c`) on an n³
-    product, or None where it does not run. On AMD AVX-512 hosts it is about twice torch's
-    matmul (MKL keeps to AVX2 kernels there): then this, not torch, is the machine's peak."""
-    from engine.cpu.decoder_ops import DecoderOps
-    from engine.cpu.host_memory import keep_freed_memory_in_heap
-
-    ops = DecoderOps()
-    if ops.gemm_fm_max_tokens < n:
-        return None
-    keep_freed_memory_in_heap()  # as in the engine: no page faults on each call's buffers
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    ops.mm_fm(a, b)
-    return 2 * n**3 / min(timed(lambda: ops.mm_fm(a, b)) for _ in range(reps))
-
-
 def peak_read_bandwidth(nbytes: int = 256 << 20, reps: int = 5, device: str = "cpu") -> float:
     """Best bytes/s of summing a tensor far larger than the caches."""
     x = torch.ones(nbytes // 4, device=device)

@@ -21,6 +21,7 @@ from engine.core.outputs import (
     SchedulerOutput,
 )
 from engine.cpu.host_memory import keep_freed_memory_in_heap
+from engine.cpu.packed_weights import weight_bytes
 from engine.grammar_bank import GrammarBank
 from engine.lora.slot_weights import LoRASlotWeights
 from engine.model.collectives import TensorParallel
@@ -311,6 +312,11 @@ class TorchModelRunner:
         if fell_back(checks, "decode_graph"):
             self.graphs = None
         return checks
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as its device holds them (the CPU's packed layouts
+        too)."""
+        return weight_bytes(self.model)
 
     def bytes_per_block(self) -> int:
         return self.device_model().bytes_per_block()
