@@ -31,7 +31,7 @@ test: install models
 
 # `serve run deploy.yaml` (local Ray, tiny model on CPU); prints curl and openai examples.
 serve: install models
-	$(PY) -m serve_app.launch deploy.yaml
+	$(PY) -m serve_app.deploy.launch deploy.yaml
 
 lint: install
 	$(PY) -m ruff check .

@@ -2,8 +2,8 @@
 
 Each EngineServer keeps an EngineMetrics and sends its snapshot with every controller report;
 the controller holds the latest snapshot per replica, and any ingress replica renders them all
-on GET /metrics (serve_app/telemetry.py), so a scrape through the Serve proxy sees the whole
-deployment whichever ingress replica answers.
+on GET /metrics (serve_app/observability/telemetry.py), so a scrape through the Serve
+proxy sees the whole deployment whichever ingress replica answers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Serving overhead: the standard workload through HTTP (Ray Serve) vs in process, one run.
 
     python -m loadtests.bench_serve [--model small] [--concurrency 32] [--json]
-    python -m loadtests.bench_serve sweep --url http://127.0.0.1:8000 ...   (loadtests/sweep.py)
+    python -m loadtests.bench_serve sweep --url http://127.0.0.1:8000 ...   (loadtests/sweep/cli.py)
 
 Both sides run the same engine settings and the same closed loop: `concurrency` clients, each
 sending its next request when the previous one ends, streaming. In process the clients call
@@ -27,7 +27,7 @@ from loadtests import cpu_accounting
 from loadtests.closed_loop import run_http, run_inprocess
 from loadtests.workload import WorkItem, load_workload, resolve_model
 from serve_app.config import AppArgs
-from serve_app.local_cluster import stop_local_serve
+from serve_app.deploy.local_cluster import stop_local_serve
 
 
 def start_serve(args: AppArgs) -> str:
@@ -36,7 +36,7 @@ def start_serve(args: AppArgs) -> str:
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.local_cluster import ingress_url, start_local_serve
+    from serve_app.deploy.local_cluster import ingress_url, start_local_serve
 
     port = start_local_serve(log_level="WARNING")
     serve.run(build_app(args), name="bench", route_prefix="/")
@@ -82,8 +82,8 @@ def _median_cpu(per_round: list[dict[str, float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "sweep":  # latency-throughput curves: loadtests/sweep.py
-        from loadtests import sweep
+    if argv and argv[0] == "sweep":  # latency-throughput curves: loadtests/sweep/cli.py
+        from loadtests.sweep import cli as sweep
 
         return sweep.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
-    # Serve's direct ingress (the default of serve_app.local_cluster): the ingress replica
+    # Serve's direct ingress (the default of serve_app.deploy.local_cluster): the ingress replica
     # serves HTTP on its own port, one Ray hop (and its CPU per streamed token) fewer than
     # through the proxy.
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0" if opts.via_proxy else "1"

@@ -175,9 +175,9 @@ def _run_on(
     vocab = engine.runner_vocab_size()
     drafts = {f"on-{tag}-{i}": tokens for i, tokens in enumerate(outputs)}
     speculator = _rewarmed(warm, ReplayProposer(drafts, acceptance, vocab))
-    steps_before = speculator._num_steps
+    steps_before = speculator.num_steps
     on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"on-{tag}")
-    steps = max(1, speculator._num_steps - steps_before)
+    steps = max(1, speculator.num_steps - steps_before)
     on["drafts_per_step"] = speculator.stats.num_draft_tokens / steps
     return on, speculator.stats
 

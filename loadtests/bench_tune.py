@@ -31,9 +31,9 @@ from typing import Any
 from cluster.request_records import Slo
 from cluster.sim_config import SimConfig
 from cluster.simulator import capacity
-from cluster.tune_report import Target, cheapest
-from cluster.tune_search import Problem, search
-from cluster.tune_space import Setting, Space
+from cluster.tune.report import Target, cheapest
+from cluster.tune.search import Problem, search
+from cluster.tune.space import Setting, Space
 from cluster.workload import make_workload, named_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams
 

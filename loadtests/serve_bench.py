@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 
 from loadtests.bench_dataset import BenchRequest, random_requests, sharegpt_requests
-from loadtests.sweep import apply_overrides, parse_override
+from loadtests.sweep.cli import apply_overrides, parse_override
 
 
 @dataclass
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.local_cluster import ingress_url, start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import ingress_url, start_local_serve, stop_local_serve
 
     args = deploy_args(opts.start_app, {k: v for o in opts.override for k, v in o.items()})
     port = start_local_serve(log_level="WARNING")

@@ -1,5 +1,5 @@
 """The Ray Serve application: OpenAI-compatible ingress routing to engine replicas."""
 
-from serve_app.builder import build_app
+from serve_app.deploy.builder import build_app
 
 __all__ = ["build_app"]

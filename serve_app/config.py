@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.api_policy import ApiArgs
 from serve_app.engine_args import EngineArgs
-from serve_app.replica_health import HealthArgs
-from serve_app.tracing import TracingArgs
+from serve_app.ingress.api_policy import ApiArgs
+from serve_app.observability.tracing import TracingArgs
+from serve_app.replica.health import HealthArgs
 
 
 class _Strict(BaseModel):

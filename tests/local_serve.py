@@ -115,7 +115,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     from ray.serve.api import RunTarget
 
     from serve_app import build_app
-    from serve_app.local_cluster import start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import start_local_serve, stop_local_serve
     from tests.conftest import tiny_model_dir  # tests/conftest.py imports this module
 
     model = tiny_model_dir("llama")

@@ -169,6 +169,11 @@ class Speculator:
             self._accepted_since = 0
         self.times.observe(num_tokens, seconds, drafted)
 
+    @property
+    def num_steps(self) -> int:
+        """Steps it was asked about (begin_step), launched-ahead steps not counted."""
+        return self._num_steps
+
     def forget(self, request_id: str) -> None:
         self._rates.pop(request_id, None)
         self.proposer.forget(request_id)

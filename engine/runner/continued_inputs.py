@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.outputs import UNKNOWN_TOKEN, ScheduledRequest
+from engine.model.collectives import TensorParallel
 from engine.sampling.transfers import to_device
 
 
@@ -59,15 +60,18 @@ def previous_tokens(
 
 
 def step_known_inputs(
-    runner, order: list[ScheduledRequest]
+    order: list[ScheduledRequest],
+    last_sampled: tuple[list[str], torch.Tensor],
+    tp: TensorParallel | None,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`known_inputs` of `runner`'s step; under tensor parallelism rank 0 (which samples)
-    broadcasts those tokens to the other ranks, device to device."""
-    tp = runner.tp
+    """`known_inputs` of a rank's step, `last_sampled` its step before's (request ids, their
+    tokens on the device); under tensor parallelism rank 0 (which samples) broadcasts those
+    tokens to the other ranks, device to device."""
     if tp is None or tp.shard.rank == 0:
-        known = known_inputs(order, *runner._last_sampled)
+        known = known_inputs(order, *last_sampled)
     else:
-        known = awaited_inputs(order, runner.device)
+        known = awaited_inputs(order, device)
     if tp is not None and known is not None:
         tp.broadcast(known[1])
     return known

@@ -44,7 +44,7 @@ class CostParams:
     GPU defaults are assumptions, not measurements: 60% of peak FLOP/s on large GEMMs and 80%
     of HBM bandwidth on weight/KV streaming are typical of well-tuned serving kernels; 4 ms of
     fixed per-step overhead and 15 us per request are typical of a Python scheduler (vLLM V0
-    era, which the paper used). Calibrate for real hardware (loadtests/calibrate.py).
+    era, which the paper used). Calibrate for real hardware (loadtests/calibrate/cli.py).
     """
 
     flops_efficiency: float = 0.6

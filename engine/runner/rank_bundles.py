@@ -1,7 +1,7 @@
 """Tensor-parallel ranks in the bundles of the engine replica's placement group.
 
 Serve places a tensor-parallel engine replica as one placement group of a bundle per rank,
-STRICT_PACK (one node; serve_app/builder.py), the way Ray Serve LLM places vLLM's workers.
+STRICT_PACK (one node; serve_app/deploy/builder.py), the way Ray Serve LLM places vLLM's workers.
 The replica itself (rank 0) takes bundle 0; rank r runs in bundle r, started by a small
 `RankHost` actor there, so that Ray gives it that bundle's GPU (CUDA_VISIBLE_DEVICES holds one
 device: the rank uses cuda:0) and counts its CPUs. The rank process is the same worker as

@@ -223,7 +223,7 @@ class TorchModelRunner:
         # that each adapter's tokens are one run of the batch.
         order = sorted(scheduler_output.scheduled, key=lambda r: (r.num_tokens != 1, r.lora_slot))
         started = self.device_clock.start()
-        known = step_known_inputs(self, order)
+        known = step_known_inputs(order, self._last_sampled, self.tp, self.device)
         if self.lora is not None:  # decode graphs run no adapters (yet)
             self.lora.begin_step(scheduler_output.lora_loads, order)
         graphs = (self.graphs or self.spec_graphs) and not (self.lora and self.lora.active)

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.local_cluster import ingress_url, start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import ingress_url, start_local_serve, stop_local_serve
 
     prompts = None
     start = time.perf_counter()

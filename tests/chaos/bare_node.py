@@ -4,7 +4,7 @@ The head is a raylet of this (test) environment; the worker node is `ray start -
 by a venv that sees the same third-party packages but not ours (its site-packages points at
 the test venv's by a path file, which Python does not scan for the editable install's hook).
 The app goes on as a user deploys it: deploy.yaml with `runtime_env.working_dir` naming the
-zip of serve_app.code_bundle (a file:// URI here, s3:// or https:// on a cluster), submitted
+zip of serve_app.deploy.code_bundle (a file:// URI here, s3:// or https:// on a cluster), submitted
 by the `serve run` command line; its engine and ingress replicas are placed on the worker
 node by custom resources.
 
@@ -85,8 +85,8 @@ def main(model: str, work: Path) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from serve_app.code_bundle import write_bundle
-    from serve_app.local_cluster import free_port
+    from serve_app.deploy.code_bundle import write_bundle
+    from serve_app.deploy.local_cluster import free_port
 
     python = bare_python(work / "bare")
     result: dict = {"bare_imports_ours": imports_ours(python)}

@@ -90,7 +90,7 @@ async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]
 
 def engine_replica_stats(serve_cluster: ServeCluster, timeout: float = 60.0) -> dict[str, dict]:
     """Stats of every live engine replica of the chaos app, each asked by its id."""
-    from loadtests.soak import engine_stats
+    from loadtests.soak.cli import engine_stats
 
     seen = engine_stats(serve_cluster.engine_handle(APP), APP, timeout=timeout)
     assert seen, f"the {APP} app's engine replicas did not all answer within {timeout:g} s"

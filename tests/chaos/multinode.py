@@ -104,7 +104,7 @@ def main(scenario: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from serve_app import build_app
-    from serve_app.local_cluster import free_port
+    from serve_app.deploy.local_cluster import free_port
     from tests.chaos.conftest import chaos_args, differences, run_all, run_with_fault
     from tests.conftest import tiny_model_dir
 

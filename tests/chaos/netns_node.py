@@ -86,7 +86,7 @@ def main() -> dict:
     from ray.cluster_utils import Cluster
 
     from serve_app import build_app
-    from serve_app.local_cluster import free_port
+    from serve_app.deploy.local_cluster import free_port
     from tests.chaos.conftest import (
         chaos_args,
         differences,

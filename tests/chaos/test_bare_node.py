@@ -1,6 +1,6 @@
 """Deploying to a cluster whose worker nodes lack our package (tests/chaos/bare_node.py): the
 app goes on through deploy.yaml's `runtime_env.working_dir` (the zip of
-serve_app.code_bundle), submitted by `serve run`, and its replicas serve from a node whose
+serve_app.deploy.code_bundle), submitted by `serve run`, and its replicas serve from a node whose
 Python cannot import it otherwise."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.local_cluster import ingress_url
+from serve_app.deploy.local_cluster import ingress_url
 from tests.chaos.conftest import deploy, engine_replica_stats
 
 pytestmark = pytest.mark.timeout(300)

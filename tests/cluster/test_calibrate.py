@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests import calibrate
+from loadtests.calibrate import cli as calibrate
 
 
 @pytest.mark.timeout(300)

@@ -69,7 +69,7 @@ def test_new_replicas_serve_only_after_the_startup_delay(diurnal):
 
 
 def test_autoscale_bench_writes_report_and_plots(tmp_path):
-    from loadtests.bench_sim import main
+    from loadtests.bench_sim.cli import main
 
     result = main(["autoscale", "--out", str(tmp_path), "--duration", "120", "--quick", "--json"])
     names = [r["setting"] for r in result["rows"]]

@@ -12,10 +12,10 @@ import yaml
 
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace, save_trace
-from cluster.tune import main as tune_main
-from cluster.tune_report import Target, binding, cheapest
-from cluster.tune_search import RUNG_SHARES, Problem, pareto_front, plan, search
-from cluster.tune_space import Setting, Space
+from cluster.tune.cli import main as tune_main
+from cluster.tune.report import Target, binding, cheapest
+from cluster.tune.search import RUNG_SHARES, Problem, pareto_front, plan, search
+from cluster.tune.space import Setting, Space
 from cluster.workload import make_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams
 

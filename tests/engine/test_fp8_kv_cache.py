@@ -163,7 +163,7 @@ def test_metrics_say_what_the_cache_holds(tiny_model):
     from prometheus_client.parser import text_string_to_metric_families
 
     from cluster.control import ControlDecision, ReplicaStats
-    from serve_app.telemetry import render_engine_metrics
+    from serve_app.observability.telemetry import render_engine_metrics
 
     engine = build_engine(tiny_model, num_blocks=96, kv_cache_dtype="fp8_e4m3")
     stats = ReplicaStats("r1", engine.stats(), 0, 8, cache_dtype="fp8_e4m3", kv_block_size=4)

@@ -19,7 +19,7 @@ from cluster.control import ControlDecision, ReplicaStats  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.quant.linear import int4_triton_kernel, set_layout_kernel  # noqa: E402
 from engine.sampling import token_draw  # noqa: E402
-from serve_app.telemetry import render_engine_metrics  # noqa: E402
+from serve_app.observability.telemetry import render_engine_metrics  # noqa: E402
 from tests.conftest import build_engine  # noqa: E402
 from tests.engine.oracle import HFOracle  # noqa: E402
 from tests.engine.replayed_graphs import replay_decodes  # noqa: E402

@@ -1,4 +1,4 @@
-"""An engine replica's health (serve_app.replica_health) on a real AsyncLLMEngine: healthy while
+"""An engine replica's health (serve_app.replica.health) on a real AsyncLLMEngine: healthy while
 it serves; unhealthy after max_failed_steps failed steps in a row (a sticky device error,
 made here by taking the runner's KV cache away) and while one step runs past
 step_timeout_s; healthy again once steps run."""
@@ -9,7 +9,7 @@ import asyncio
 
 from engine.async_engine import AsyncLLMEngine
 from engine.core.sampling_params import SamplingParams
-from serve_app.replica_health import HealthArgs, health_problem
+from serve_app.replica.health import HealthArgs, health_problem
 from tests.engine.test_async_engine import assert_all_blocks_free, make_engine
 
 

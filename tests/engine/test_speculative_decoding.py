@@ -232,7 +232,7 @@ def test_spec_decode_counters_reach_metrics_and_the_controllers_view(tiny_model)
 
     from cluster.batching import make_policy
     from cluster.control import ClusterControl, ControlDecision, ReplicaStats
-    from serve_app.telemetry import render_engine_metrics
+    from serve_app.observability.telemetry import render_engine_metrics
 
     engine = build_engine(tiny_model, speculative=FIXED_K)
     run(engine, repetitive_prompts(19, 4), greedy([20] * 4))

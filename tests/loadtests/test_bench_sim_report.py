@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from loadtests.bench_sim import main
-from loadtests.bench_sim_report import CPU_HEADING, write_report
+from loadtests.bench_sim.cli import main
+from loadtests.bench_sim.report import CPU_HEADING, write_report
 
 
 def test_cpu_comparison_lands_in_the_paper_report_and_survives_a_paper_rerun(tmp_path):

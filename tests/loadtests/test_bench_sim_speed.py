@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from loadtests import bench_sim
+from loadtests.bench_sim import cli as bench_sim
 
 
 def test_speed_reports_replica_hours_per_minute_and_equal_results(capsys):

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serve_app.router import adapter_first, prefix_key, rendezvous_choice
+from serve_app.transport.router import adapter_first, prefix_key, rendezvous_choice
 from tests.local_serve import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)

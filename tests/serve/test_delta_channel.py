@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.core.outputs import RequestOutput
-from serve_app.delta_channel import Outbox
+from serve_app.transport.delta_channel import Outbox
 
 
 def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from serve_app import delta_queue
-from serve_app.delta_queue import DeltaQueue
+from serve_app.transport import delta_queue
+from serve_app.transport.delta_queue import DeltaQueue
 from tests.serve.test_delta_channel import _delta
 
 LOOK_S = 0.1

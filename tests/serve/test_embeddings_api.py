@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 from engine.model.pooling_config import EmbeddingConfig
-from serve_app.embeddings import encoded
+from serve_app.openai.embeddings import encoded
 from tests.local_serve import NARROW_AUTH, assert_serves_and_frees
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ from tests.conftest import REPO
 # Runs in its own process: the serve tests' session already holds a Ray instance here.
 SCRIPT = """
 import socket, urllib.request
-import serve_app.local_cluster as lc
+import serve_app.deploy.local_cluster as lc
 
 taken = socket.socket()
 taken.bind(("127.0.0.1", 0))

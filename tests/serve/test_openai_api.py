@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from engine.core.sampling_params import SamplingParams
-from loadtests.soak_watch import StackCapture
+from loadtests.soak.watch import StackCapture
 from serve_app.config import AppArgs
 
 # The 64 streams take seconds; past this they hang (the watchdog then takes every stack).

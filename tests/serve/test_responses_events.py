@@ -1,10 +1,10 @@
-"""The Responses stream's events from a chat choice's deltas (serve_app/responses_output.py),
+"""The Responses stream's events from a chat choice's deltas (serve_app/openai/responses/output.py),
 without a server: reasoning, text and function calls each open an item, stream it and close
 it when the next begins, in output order; a whole message gives the same items."""
 
 from __future__ import annotations
 
-from serve_app.responses_output import OutputEvents, assistant_turn, whole_output
+from serve_app.openai.responses.output import OutputEvents, assistant_turn, whole_output
 
 
 def _run(deltas: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loadtests import sweep
+from loadtests.sweep import cli as sweep
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from serve_app.chat_deltas import ChatDeltas, whole_message
-from serve_app.tool_calls import ToolPlan, calls_so_far, parse_calls
+from serve_app.openai.chat_deltas import ChatDeltas, whole_message
+from serve_app.openai.tool_calls import ToolPlan, calls_so_far, parse_calls
 
 HERMES = ToolPlan("auto", ("get_weather", "add"))
 LLAMA3 = ToolPlan("auto", ("get_weather", "add"), parser="llama3_json")

@@ -1,0 +1,5 @@
+import sys
+
+from cluster.tune.cli import main
+
+main(sys.argv[1:])

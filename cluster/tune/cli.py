@@ -1,0 +1,170 @@
+"""Tune batching and autoscaling for your own traffic in the simulator.
+
+    python -m cluster.tune --trace trace.jsonl --slo ttft=2 --slo itl=0.1 [--attainment 0.9]
+    python -m cluster.tune --workload diurnal --rate 30 --duration 3600 --slo ttft=2 ...
+        [--model Llama-2-7B --gpu A100-80GB | --calibration calibration.json]
+        [--set max_num_seqs=64,128,256 --set policy=static,combined --set max_replicas=8 ...]
+        [--trials 40] [--workers 2] [--out reports/tune] [--json]
+
+The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py)
+or a named generator. A setting runs the real scheduler over the trace on a fleet of
+simulated replicas (cluster/cluster_sim.py); `--trials` whole-trace runs are the budget of
+the search (cluster/tune/search.py: successive halving where the grid is larger). SLOs:
+per-request objectives (ttft, itl, e2e, in seconds) that `--attainment` of requests must
+meet, and percentiles (ttft_p99, ...) that must not exceed their value. Knobs:
+cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto front of
+replica-hours against attainment, writes the cheapest setting that meets the target as
+deploy.yaml `args:` (tuned.yaml), report.md, front.png and replicas.png under --out.
+Ctrl-C stops the search and reports on the trials so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cluster.request_records import Slo
+from cluster.trace_file import TraceError, load_trace
+from cluster.tune.report import PERCENTILES, Target, cheapest, write
+from cluster.tune.search import Problem, plan, search
+from cluster.tune.space import DEFAULT_SPACE, Setting, Space, parse_knob
+from cluster.workload import NAMED_WORKLOADS, named_workload
+from engine.runner.cost_model import GPUS, MODELS, CostParams, GpuSpec, ModelSpec
+
+
+def parse_target(slos: list[str], attainment: float) -> Target:
+    per_request = {"ttft": math.inf, "itl": math.inf, "e2e": math.inf}
+    percentiles: dict[str, float] = {}
+    for text in slos:
+        name, _, value = text.partition("=")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise ValueError(f"--slo {text!r}: expected NAME=SECONDS") from None
+        if name in per_request:
+            per_request[name] = limit
+        elif f"{name}_s" in PERCENTILES:
+            percentiles[f"{name}_s"] = limit
+        else:
+            names = list(per_request) + [p.removesuffix("_s") for p in PERCENTILES]
+            raise ValueError(f"--slo {name!r}: one of {', '.join(names)}")
+    if not slos:
+        raise ValueError("--slo: give at least one objective, e.g. --slo ttft=2 --slo itl=0.1")
+    if not 0 < attainment <= 1:
+        raise ValueError("--attainment: a share in (0, 1]")
+    slo = Slo(per_request["ttft"], per_request["itl"], per_request["e2e"])
+    return Target(slo, attainment, percentiles)
+
+
+def replica_spec(opts) -> tuple[ModelSpec, GpuSpec, CostParams, str]:
+    if opts.calibration:
+        cal = json.loads(Path(opts.calibration).read_text())
+        model = ModelSpec.from_hf_config(cal["model"], dtype_bytes=4)
+        gpu = GpuSpec(**cal["device"])
+        return model, gpu, CostParams(**cal["params"]), f"{cal['model']} on {gpu.name} (calibrated)"
+    if opts.model not in MODELS or opts.gpu not in GPUS:
+        raise ValueError(f"--model one of {list(MODELS)}; --gpu one of {list(GPUS)}")
+    return MODELS[opts.model], GPUS[opts.gpu], CostParams(), f"{opts.model} on {opts.gpu}"
+
+
+def _share(fraction: float) -> str:
+    return "the whole trace" if fraction == 1.0 else f"the trace {round(1 / fraction)}x faster"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="JSONL: arrival_s, prompt_len, output_len per line")
+    source.add_argument("--workload", choices=NAMED_WORKLOADS)
+    parser.add_argument("--rate", type=float, default=20.0, help="--workload: requests/s")
+    parser.add_argument("--duration", type=float, default=1800.0, help="--workload: seconds")
+    parser.add_argument("--model", default="Llama-2-7B", help=f"one of {list(MODELS)}")
+    parser.add_argument("--gpu", default="A100-80GB", help=f"one of {list(GPUS)}")
+    parser.add_argument("--calibration", help="a loadtests.calibrate JSON (model and device)")
+    parser.add_argument("--slo", action="append", default=[], help="ttft=S, itl=S, e2e=S, ...")
+    parser.add_argument("--attainment", type=float, default=0.9)
+    parser.add_argument("--set", action="append", default=[], help="KNOB=V1,V2,...")
+    parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="reports/tune")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON last")
+    opts = parser.parse_args(argv)
+    try:
+        target = parse_target(opts.slo, opts.attainment)
+        knobs = dict(DEFAULT_SPACE)
+        knobs.update(parse_knob(text) for text in opts.set)
+        space = Space.of(knobs)
+        points = space.points()
+        for p in (points[0], points[-1]):
+            space.setting(p).check()
+        model, gpu, cost, replica_name = replica_spec(opts)
+        if opts.trace:
+            trace, what = load_trace(opts.trace), opts.trace
+        else:
+            trace = named_workload(opts.workload, opts.rate, opts.duration, opts.seed)
+            what = f"{opts.workload} at {opts.rate:g} req/s for {opts.duration:g} s"
+    except (ValueError, TraceError, OSError) as exc:
+        parser.error(str(exc))
+    title = f"{what} ({len(trace)} requests), {replica_name}"
+    rounds = plan(space.size, opts.trials)
+    runs = sum(count for count, _ in rounds)
+    how = "each on the whole trace"
+    if len(rounds) > 1:
+        rungs = ", ".join(f"{count} on {_share(fraction)}" for count, fraction in rounds[:-1])
+        how = f"successive halving ({rungs}), then up to {rounds[-1][0]} around the front"
+    print(f"{title}: {space.size} settings; {how}", file=sys.stderr)
+    problem = Problem(trace, model, gpu, cost, target.slo)
+    out = Path(opts.out)
+    started = time.perf_counter()
+    count = [0]
+
+    def progress(trial: dict[str, Any]) -> None:
+        count[0] += 1
+        rate = trial["replica_hours"] / max(trial["wall_s"], 1e-9) * 60
+        print(
+            f"\r[{count[0]}/{runs}] {time.perf_counter() - started:.0f} s; last on "
+            f"{_share(trial.get('fraction', 1.0))}: {trial['replica_hours']:.2f} replica-hours, "
+            f"{100 * trial['sla_attainment']:.1f}% ({rate:.0f} replica-hours/min)  ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    trials, complete = search(
+        problem, space, opts.trials, out / "trials.jsonl", opts.workers, opts.seed, progress
+    )
+    print(file=sys.stderr)
+    if not trials:
+        print("no trial finished", file=sys.stderr)
+        return {"trials": 0}
+    # The setting report.md chooses (else the cheapest tried) is the one drawn over time.
+    chosen = cheapest(trials, target) or min(trials, key=lambda t: t["replica_hours"])
+    series = problem.simulate(Setting(**chosen["setting"])).replica_series
+    arrivals = [r.arrival_s for r in trace]
+    searched = [k for k, v in space.values.items() if len(v) > 1]
+    summary = write(out, trials, target, title, complete, searched, series, arrivals)
+    print((out / "report.md").read_text())
+    if summary["chosen"] is not None:
+        print((out / "tuned.yaml").read_text())
+    result = {
+        "trials": len(trials),
+        "complete": complete,
+        "target": {"slo": asdict(target.slo), "attainment": target.attainment}
+        | {"percentiles": target.percentiles},
+        "chosen": summary["chosen"],
+        "front": summary["front"],
+        "binding": summary["binding"],
+        "wall_s": time.perf_counter() - started,
+        "replica_hours_simulated": sum(t["replica_hours"] for t in trials),
+    }
+    if opts.json:
+        print(json.dumps(result, default=str))
+    return result

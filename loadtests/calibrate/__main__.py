@@ -1,0 +1,5 @@
+import sys
+
+from loadtests.calibrate.cli import main
+
+main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""The soak test (`python -m loadtests.soak`): its load and its watch."""

@@ -1,0 +1,3 @@
+from loadtests.soak.cli import main
+
+main()

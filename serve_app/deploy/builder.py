@@ -1,0 +1,133 @@
+"""build_app: deploy.yaml's `import_path: serve_app:build_app`, args validated by AppArgs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from cluster.controller import ClusterController
+from serve_app.config import AppArgs, AutoscalingArgs
+from serve_app.ingress.deployment import OpenAIIngress
+from serve_app.observability.metrics_board import EngineMetricsBoard
+from serve_app.openai.responses.store import ResponseStore
+from serve_app.replica.engine_server import EngineServer
+from serve_app.replica.lora_board import LoRABoard
+
+# Serve's own limit on requests in flight at an engine replica sits above the replica's
+# capacity, so the engine (not Serve's router backoff) decides when to answer 429.
+_ROUTER_SLACK = 16
+# The ingress is async and light: let it hold every request its engines could.
+_INGRESS_MAX_ONGOING = 4096
+
+
+def build_app(args: dict[str, Any] | AppArgs) -> Application:
+    """The OpenAI ingress bound to its engine replicas, built from validated AppArgs."""
+    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    plain = app_args.model_dump()
+    # The control plane's actors: no CPU of their own, on the nodes deploy.yaml says.
+    control = {"num_cpus": 0, "resources": dict(app_args.controller.resources)}
+    controller = None
+    if app_args.controller.enabled:
+        controller = ClusterController.options(ray_actor_options=control).bind(
+            app_args.batching.factory(app_args.engine.max_num_seqs),
+            app_args.controller.stale_after_s,
+        )
+    # Engine metrics for /metrics go through their own board, not the controller.
+    board = EngineMetricsBoard.options(ray_actor_options=control).bind(
+        app_args.model_name, app_args.controller.stale_after_s
+    )
+    lora_board = None
+    if app_args.engine.lora.enabled:  # the adapters served, for every ingress replica
+        lora_board = LoRABoard.options(ray_actor_options=control).bind(
+            dict(app_args.engine.lora.adapters)
+        )
+    store = None
+    if app_args.api.stored_responses:  # the Responses API's, outliving any ingress replica
+        store = ResponseStore.options(ray_actor_options=control).bind(
+            app_args.api.stored_responses, app_args.api.stored_response_ttl_s
+        )
+    actor_options, placement = _engine_placement(app_args)
+    scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
+    if app_args.autoscaling is not None:
+        scaling = {
+            "num_replicas": "auto",
+            "autoscaling_config": _autoscaling_config(app_args.autoscaling),
+        }
+        # The replica reads its metrics push period from the environment at import.
+        actor_options["runtime_env"] = {
+            "env_vars": {
+                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(
+                    app_args.autoscaling.metrics_interval_s
+                )
+            }
+        }
+    engine = EngineServer.options(
+        **scaling,
+        max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
+        health_check_period_s=app_args.health.check_period_s,
+        health_check_timeout_s=app_args.health.check_timeout_s,
+        graceful_shutdown_timeout_s=app_args.health.graceful_shutdown_timeout_s,
+        ray_actor_options=actor_options,
+        **placement,
+        request_router_config=RequestRouterConfig(
+            request_router_class="serve_app.transport.router:LoadAwareRouter",
+            request_router_kwargs=app_args.routing.model_dump(),
+            request_routing_stats_period_s=1.0,
+        ),
+    ).bind(plain, controller, board)
+    ingress_res = app_args.ingress_replicas
+    return OpenAIIngress.options(
+        num_replicas=ingress_res.num_replicas,
+        max_ongoing_requests=_INGRESS_MAX_ONGOING,
+        ray_actor_options={
+            "num_cpus": ingress_res.num_cpus,
+            "num_gpus": ingress_res.num_gpus,
+            "resources": dict(ingress_res.resources),
+            # The ingress's code on the replica's own loop: under direct ingress its sends
+            # then wait for the client (in Serve's thread they go to an unbounded queue), so
+            # a client that stops reading shows (api.max_unsent_tokens); and one thread hop
+            # less per chunk.
+            "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+        },
+    ).bind(engine, plain, controller, board, lora_board, store)
+
+
+def _engine_placement(app_args: AppArgs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine replica's actor options and, with tensor parallelism, its placement group:
+    a bundle per rank, each a 1/N share of the replica's resources (one GPU each), packed on
+    one node (STRICT_PACK), as Ray Serve LLM places vLLM's workers. The replica (rank 0)
+    takes bundle 0 and starts each other rank in its own (engine/runner/rank_bundles.py)."""
+    res, ranks = app_args.engine_replicas, app_args.engine.tensor_parallel_size
+    share = {
+        "num_cpus": res.num_cpus / ranks,
+        "num_gpus": res.num_gpus / ranks,
+        "resources": {name: amount / ranks for name, amount in res.resources.items()},
+    }
+    if ranks == 1:
+        return share, {}
+    bundle = {"CPU": share["num_cpus"], "GPU": share["num_gpus"]} | share["resources"]
+    bundle = {name: amount for name, amount in bundle.items() if amount} or {"CPU": 0.01}
+    bundles = [dict(bundle) for _ in range(ranks)]
+    return share, {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+
+
+def _autoscaling_config(scaling: AutoscalingArgs) -> dict[str, Any]:
+    """Serve's autoscaling_config: our rule decides; Serve's own delays and factors are
+    neutral so the rule behaves as in the simulator."""
+    return {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "initial_replicas": scaling.initial_replicas or scaling.min_replicas,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        # Deprecated in Serve 2.58 but still read: it keeps look_back_period_s's check honest
+        # (the replicas push at this period through the environment variable above).
+        "metrics_interval_s": scaling.metrics_interval_s,
+        "look_back_period_s": scaling.look_back_period_s,
+        "policy": {
+            "policy_function": "cluster.autoscale:QueueDepthAutoscaler",
+            "policy_kwargs": scaling.rule_config(),
+        },
+    }

@@ -1,0 +1,105 @@
+"""`make serve`: run `serve run CONFIG`, wait until it answers, print ready-to-paste examples.
+
+python -m serve_app.deploy.launch deploy.yaml
+
+Ctrl-C (or SIGTERM) stops `serve run` and the local Ray cluster it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import yaml
+
+from serve_app.config import AppArgs
+
+
+def _examples(base: str, model: str, proxy: str) -> str:
+    return f"""
+dynabatch is serving `{model}` at {base}/v1
+(the ingress replica's own port; Serve's HTTP proxy serves the same at {proxy}/v1)
+
+  curl {base}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "prompt": "Hello, my name is", "max_tokens": 32}}'
+
+  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}], "stream": true}}'
+
+  python -c "
+from openai import OpenAI
+client = OpenAI(base_url='{base}/v1', api_key='unused')
+out = client.chat.completions.create(model='{model}', max_tokens=32,
+    messages=[{{'role': 'user', 'content': 'Hi!'}}])
+print(out.choices[0].message.content)"
+
+  metrics: {base}/metrics    health: {base}/health    Ctrl-C stops the server.
+"""
+
+
+def _answers(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="deploy.yaml")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ready")
+    opts = parser.parse_args()
+    with open(opts.config) as f:
+        config = yaml.safe_load(f)
+    app = config["applications"][0]
+    args = AppArgs.model_validate(app.get("args", {}))  # fail fast, naming a bad field
+    http = config.get("http_options", {})
+    host = http.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    prefix = (app.get("route_prefix") or "/").rstrip("/")
+    port = http.get("port", 8000)
+    proxy = f"http://{host}:{port}{prefix}"
+
+    env = dict(os.environ)
+    env.setdefault("RAY_worker_niceness", "0")  # Ray's default nice 15 starves the engine
+    env.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(512 << 20))
+    # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
+    env.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
+    # Serve's direct ingress: the ingress replica also serves HTTP on a port of its own, the
+    # next ones after the proxy's, one Ray hop less per streamed chunk (docs/serving.md).
+    env.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 1))
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")  # no load balancer
+    first_direct = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+    direct = [f"http://{host}:{p}{prefix}" for p in range(first_direct, first_direct + 8)]
+    serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
+    child = subprocess.Popen([serve_bin, "run", opts.config], env=env)
+
+    def stop(*_: object) -> None:
+        if child.poll() is None:
+            child.terminate()  # `serve run` ends its local cluster on SIGTERM
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        deadline = time.monotonic() + opts.timeout
+        while child.poll() is None and time.monotonic() < deadline:
+            if _answers(proxy):
+                base = next((url for url in direct if _answers(url)), proxy)
+                print(_examples(base, args.model_name, proxy), flush=True)
+                break
+            time.sleep(1.0)
+        return child.wait()
+    except KeyboardInterrupt:
+        stop()
+        return child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

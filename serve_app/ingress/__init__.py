@@ -1,0 +1,2 @@
+"""The HTTP face: the OpenAIIngress deployment, its edge routes (keys, limits, models, tokenize)
+and LoRA adapter routes."""

@@ -1,0 +1,1 @@
+"""Prometheus metrics, OpenTelemetry traces, the engine metrics board."""

@@ -1,0 +1,277 @@
+"""GET /metrics: the HTTP-level metrics of the ingress replica that answers, then the engine
+replicas' metrics as the metrics board last heard them (the whole deployment, whichever
+ingress replica answers; serve_app/observability/metrics_board.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class IngressMetrics:
+    """Counters and latency histograms; each instance owns its registry (no globals)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.requests = Counter(
+            "dynabatch_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["model", "endpoint", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "dynabatch_prompt_tokens",
+            "Prompt tokens of accepted requests.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "dynabatch_generation_tokens", "Tokens generated.", ["model"], registry=self.registry
+        )
+        self.finished = Counter(
+            "dynabatch_requests_finished",
+            "Requests the engine ended, by finish reason (stop, length, abort, error).",
+            ["model", "finish_reason"],
+            registry=self.registry,
+        )
+        self.resumed = Counter(
+            "dynabatch_sequences_resumed",
+            "Sequences resumed at another engine replica after theirs failed mid-stream.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "dynabatch_time_to_first_token_seconds",
+            "Time to first token.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "dynabatch_e2e_request_latency_seconds",
+            "Request latency, first byte in to last out.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def sequence_resumed(self) -> None:
+        self.resumed.labels(self.model_name).inc()
+
+    def answered(self, endpoint: str, status: int) -> None:
+        self.requests.labels(self.model_name, endpoint, str(status)).inc()
+
+    def completed(
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        finish_reason: str | None,
+        ttft_s: float | None,
+        e2e_s: float,
+    ) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        self.finished.labels(m, finish_reason or "abort").inc()
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+        self.e2e.labels(m).observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ------------------------------------------------------------------- engine replicas
+def _histogram(name: str, doc: str, rows) -> HistogramMetricFamily:
+    """rows: (label values, HistogramSnapshot); Prometheus wants cumulative buckets."""
+    family = HistogramMetricFamily(name, doc, labels=["model_name", "replica"])
+    for labels, snap in rows:
+        if snap is None:
+            continue
+        cumulative, buckets = 0, []
+        for bound, count in zip((*snap.bounds, float("inf")), snap.counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        family.add_metric(labels, buckets, snap.total)
+    return family
+
+
+class _EngineCollector:
+    """The deployment's engine replicas as the metrics board last heard them, with the
+    metric names vLLM uses (prefix `dynabatch:` where vLLM has `vllm:`)."""
+
+    def __init__(self, model_name: str, latest) -> None:
+        self.model_name, self.latest = model_name, latest
+
+    def collect(self):
+        m = self.model_name
+        rows = [((m, stats.replica_id), stats, decision) for stats, decision in self.latest]
+        gauges = {
+            "num_requests_running": (
+                "Requests in the running batch.",
+                lambda s, d: s.scheduler.num_running,
+            ),
+            "num_requests_waiting": (
+                "Requests accepted and not running.",
+                lambda s, d: s.num_waiting,
+            ),
+            "kv_cache_usage_perc": (
+                "KV cache usage (1 = full).",
+                lambda s, d: s.scheduler.kv_usage,
+            ),
+            "max_num_seqs": (
+                "The batch limit the policy set now.",
+                lambda s, d: d.limits.max_num_seqs,
+            ),
+            "routing_weight": (
+                "The controller's routing weight (below 1: throttled).",
+                lambda s, d: d.routing_weight,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"dynabatch:{name}", doc, labels=["model_name", "replica"])
+            for labels, stats, decision in rows:
+                family.add_metric(labels, float(value(stats, decision)))
+            yield family
+        yield GaugeMetricFamily(
+            "dynabatch:num_engine_replicas", "Engine replicas reporting.", value=len(rows)
+        )
+        info = GaugeMetricFamily(
+            "dynabatch:attention_backend_info",
+            "The attention kernels each engine replica runs, and why (always 1).",
+            labels=["model_name", "replica", "backend", "reason"],
+        )
+        for labels, stats, _ in rows:
+            if stats.attention_kernels:
+                info.add_metric(
+                    [*labels, stats.attention_kernels, stats.attention_kernels_reason], 1.0
+                )
+        yield info
+        cache = GaugeMetricFamily(
+            "dynabatch:cache_config_info",
+            "The KV cache of each engine replica: tokens per block, blocks, and what a value "
+            "is stored as (always 1).",
+            labels=["model_name", "replica", "block_size", "num_gpu_blocks", "cache_dtype"],
+        )
+        for labels, stats, _ in rows:
+            if stats.cache_dtype:
+                blocks = str(stats.scheduler.num_total_blocks)
+                cache.add_metric([*labels, str(stats.kv_block_size), blocks, stats.cache_dtype], 1)
+        yield cache
+        checks = GaugeMetricFamily(
+            "dynabatch:gpu_self_check_info",
+            "Each GPU kernel part the start-up self-check ran, its result (pass, or fallback "
+            "to the torch reference) and the reason (always 1).",
+            labels=["model_name", "replica", "part", "result", "reason"],
+        )
+        for labels, stats, _ in rows:
+            for part, result, reason in stats.self_check_verdicts:
+                checks.add_metric([*labels, part, result, reason], 1.0)
+        yield checks
+        loras = GaugeMetricFamily(
+            "dynabatch:lora_requests_info",
+            "LoRA adapters of each engine replica (vLLM's lora_requests_info): its slots and "
+            "the adapters of its running and waiting requests (always 1).",
+            labels=[
+                "model_name",
+                "replica",
+                "max_lora",
+                "running_lora_adapters",
+                "waiting_lora_adapters",
+            ],
+        )
+        for labels, stats, _ in rows:
+            sched = stats.scheduler
+            if sched.max_loras:
+                running, waiting = ",".join(sched.running_loras), ",".join(sched.waiting_loras)
+                loras.add_metric([*labels, str(sched.max_loras), running, waiting], 1.0)
+        yield loras
+        counters = {
+            "num_preemptions": ("Preemptions.", lambda s: s.scheduler.num_preemptions_total),
+            "prompt_tokens": (
+                "Prompt tokens of finished requests.",
+                lambda s: s.metrics.prompt_tokens_total,
+            ),
+            "generation_tokens": (
+                "Generated tokens of finished requests.",
+                lambda s: s.metrics.generation_tokens_total,
+            ),
+            "num_rejected": ("Requests answered 429.", lambda s: s.num_rejected_total),
+            "prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                lambda s: s.scheduler.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": (
+                "Prompt tokens found in the prefix cache.",
+                lambda s: s.scheduler.prefix_cache_hits,
+            ),
+        }
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(f"dynabatch:{name}", doc, labels=["model_name", "replica"])
+            for labels, stats, _ in rows:
+                if stats.metrics is not None or name not in ("prompt_tokens", "generation_tokens"):
+                    family.add_metric(labels, float(value(stats)))
+            yield family
+        yield from _spec_decode_families(rows)
+        success = CounterMetricFamily(
+            "dynabatch:request_success",
+            "Finished requests by finish reason.",
+            labels=["model_name", "replica", "finished_reason"],
+        )
+        for labels, stats, _ in rows:
+            for reason, n in (stats.metrics.finished_total if stats.metrics else {}).items():
+                success.add_metric([*labels, reason], float(n))
+        yield success
+        hists = {
+            "time_to_first_token_seconds": ("Time to first token at the engine.", "ttft"),
+            "inter_token_latency_seconds": ("Time between streamed tokens.", "itl"),
+            "e2e_request_latency_seconds": ("Request latency at the engine.", "e2e"),
+            "request_queue_time_seconds": ("Arrival to first scheduled.", "queue_time"),
+            "iteration_batch_size": ("Requests per engine step.", "batch_size"),
+        }
+        for name, (doc, attr) in hists.items():
+            yield _histogram(
+                f"dynabatch:{name}",
+                doc,
+                [(labels, getattr(s.metrics, attr)) for labels, s, _ in rows if s.metrics],
+            )
+
+
+def _spec_decode_families(rows):
+    """Speculative decoding's counters, as vLLM's spec_decode_* (replicas that speculate)."""
+    counters = {
+        "num_drafts": "Rows whose drafts were verified.",
+        "num_draft_tokens": "Draft tokens verified.",
+        "num_accepted_tokens": "Draft tokens accepted.",
+    }
+    speculating = [(labels, s.scheduler.spec) for labels, s, _ in rows if s.scheduler.spec]
+    for name, doc in counters.items():
+        family = CounterMetricFamily(
+            f"dynabatch:spec_decode_{name}", doc, labels=["model_name", "replica"]
+        )
+        for labels, spec in speculating:
+            family.add_metric(labels, float(getattr(spec, name)))
+        yield family
+    per_position = CounterMetricFamily(
+        "dynabatch:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0: first).",
+        labels=["model_name", "replica", "position"],
+    )
+    for labels, spec in speculating:
+        for position, n in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*labels, str(position)], float(n))
+    yield per_position
+
+
+def render_engine_metrics(model_name: str, latest) -> bytes:
+    """Prometheus text for the engine replicas (`latest`: each replica's last (stats,
+    decision) pair)."""
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(model_name, latest))
+    return generate_latest(registry)

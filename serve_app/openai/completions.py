@@ -1,0 +1,77 @@
+"""POST /v1/completions and /v1/chat/completions: each request through the path every request
+takes (serve_app/openai/request_path.py) to the engine replicas, answered as SSE events or a
+whole body (serve_app/openai/completion_bodies.py); served by the replica's
+CompletionsService from the FastAPI app's state."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from functools import partial
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve_app.openai import protocol as oai
+from serve_app.openai.completion_bodies import sse_events, whole_body
+from serve_app.openai.errors import OpenAIError
+from serve_app.openai.request_path import Body, RequestPath
+from serve_app.transport.streaming import closing, runs_response
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+    return await request.app.state.completions.serve("completions", body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Response:
+    return await request.app.state.completions.serve("chat", body)
+
+
+class CompletionsService:
+    def __init__(self, path: RequestPath) -> None:
+        self.path = path
+
+    async def serve(self, endpoint: str, body: Body) -> Response:
+        """`endpoint`: "completions" or "chat"."""
+        path, metrics = self.path, self.path.metrics
+        url = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        with contextlib.ExitStack() as scope:
+            span = scope.enter_context(path.span(url, body.model, bool(body.stream)))
+            headers = {}
+            try:
+                headers = path.ignored_header(body)
+                prep = path.prepare(endpoint, body, await path.adapters.resolve(body.model))
+                choices = await path.client.start_choices(
+                    prep, body.num_sequences, span.carrier(), body.priority
+                )
+            except OpenAIError as exc:
+                metrics.answered(endpoint, exc.status)
+                span.set({"http.response.status_code": exc.status})
+                response = exc.response()
+                response.headers.update(headers)
+                return response
+            record = partial(path.record, prep, span, time.perf_counter() - prep.started)
+            if body.stream:
+                metrics.answered(endpoint, 200)
+                runs_response()
+                events = sse_events(prep, body.model, choices, record)
+                # The response's body outlives this call: it ends the span when it ends.
+                events = closing(events, scope.pop_all())
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            try:
+                whole, lasts = await whole_body(prep, body.model, choices)
+            except OpenAIError as exc:  # lost with its replica, and no other took it
+                metrics.answered(endpoint, exc.status)
+                return exc.response()
+            record(lasts)
+            failed = [last for last in lasts if last.finish_reason == "error"]
+            if failed:
+                metrics.answered(endpoint, 500)
+                message = f"engine error: {failed[0].error}"
+                return OpenAIError.server_error(500, message).response()
+            metrics.answered(endpoint, 200)
+            return JSONResponse(whole, headers=headers)

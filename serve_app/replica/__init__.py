@@ -1,0 +1,1 @@
+"""The engine replica (EngineServer), its health, its adapters' board."""

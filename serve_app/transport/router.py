@@ -1,0 +1,139 @@
+"""LoadAwareRouter: least-loaded engine replica, with optional prompt-prefix affinity.
+
+Load is a replica's outstanding requests (queued + running): Serve's queue-length cache,
+which the router updates on every send and every probe, falling back to the replica's own
+`record_routing_stats()`; divided by the routing weight the cluster controller gives the
+replica (below 1 when its latency is over the deployment's SLA target). Prefix affinity uses
+rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids, so every
+ingress replica sends the same prefix to the same engine replica without sharing state, and a
+replica joining or leaving moves only its own share of prefixes. A request with a LoRA adapter
+goes first to the least loaded replica that holds the adapter in a slot (its
+`record_routing_stats()` lists them), unless that one is busier than the least loaded by over
+`max_imbalance`; elsewhere the replica loads it.
+
+A call with a `replica_id` keyword (an ingress subscribing to its delta channel at one engine
+replica, serve_app.transport.delta_channel) goes to that replica while this router knows
+it, and to any replica otherwise (which answers that it is not the one asked for). Serve's
+FIFOMixin hands a choice to the oldest waiting request; here a choice goes to the request it
+was made for (its prefix, its target) while that one still waits, and only otherwise to the
+oldest.
+(Serve's non-FIFO mode drops such choices instead, and with many requests waiting its
+routing tasks flooded busy replicas with queue-length probes here.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from array import array
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from ray.serve._private.common import RequestMetadata  # the type of a public hook's argument
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from cluster.control import weighted_load
+
+R = TypeVar("R")
+
+
+def prefix_key(token_ids: list[int], prefix_tokens: int) -> bytes:
+    return hashlib.blake2b(array("q", token_ids[:prefix_tokens]).tobytes(), digest_size=8).digest()
+
+
+def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
+    """The replica id with the highest hash(key, id): stable, and uniform over prefixes."""
+    return max(
+        replica_ids, key=lambda rid: hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
+    )
+
+
+class LoadAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(
+        self, *, prefix_affinity: bool, prefix_tokens: int, max_imbalance: int
+    ) -> None:
+        """Serve passes deploy.yaml's `routing:` (serve_app.config.RoutingArgs)."""
+        self.prefix_affinity = prefix_affinity
+        self.prefix_tokens = prefix_tokens
+        self.max_imbalance = max_imbalance
+
+    def _get_pending_request_matching_metadata(
+        self, request_metadata: RequestMetadata | None = None
+    ) -> PendingRequest | None:
+        return self._get_pending_request_matching_internal_request_id(request_metadata)
+
+    def replica_load(self, replica: RunningReplica) -> float:
+        """Outstanding requests over the controller's routing weight (1, or less for a
+        replica throttled by the cluster SLA rule, which so gets a smaller share)."""
+        stats = replica.routing_stats or {}
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        outstanding = cached if cached is not None else int(stats.get("num_streams", 0))
+        return weighted_load(outstanding, stats.get("routing_weight", 1.0))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Without it Serve retries a request whose replicas are all full (or slow to
+            # answer its queue-length probe) at once and forever, flooding them with probes.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        target = pending_request.kwargs.get("replica_id") if pending_request else None
+        if target is not None:
+            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            # Not (or no longer) one of ours: any replica answers that it is not the one
+            # asked for, and the caller decides. (An empty answer would keep one of Serve's
+            # routing tasks on this request for good; with a replica gone, those it has
+            # left, two per replica, could all be stuck so, and nothing would be routed.)
+            return [pinned or candidate_replicas]
+        # Shuffle first so equally loaded replicas share the work.
+        ranked = random.sample(candidate_replicas, len(candidate_replicas))
+        ranked.sort(key=self.replica_load)
+        lora = pending_request.kwargs.get("lora") if pending_request else None
+        if lora is not None and len(ranked) > 1:
+            ranks = adapter_first(
+                ranked, _held_adapters, self.replica_load, lora[0], self.max_imbalance
+            )
+            if ranks is not None:
+                return ranks
+        prompt = _prompt_of(pending_request)
+        if self.prefix_affinity and prompt and len(ranked) > 1:
+            by_id = {r.replica_id.unique_id: r for r in ranked}
+            preferred = by_id[
+                rendezvous_choice(prefix_key(prompt, self.prefix_tokens), list(by_id))
+            ]
+            if self.replica_load(preferred) - self.replica_load(ranked[0]) <= self.max_imbalance:
+                return [[preferred], [r for r in ranked if r is not preferred]]
+        # One rank: Serve takes the lowest queue length among those that accept.
+        return [ranked]
+
+
+def adapter_first(
+    ranked: list[R],
+    held: Callable[[R], Iterable[str]],
+    load: Callable[[R], float],
+    adapter: str,
+    max_imbalance: float,
+) -> list[list[R]] | None:
+    """The replicas holding `adapter` (least loaded first), then the rest; None where none
+    holds it or the least loaded holder is busier than the least loaded replica by over
+    `max_imbalance` (`ranked`: least loaded first)."""
+    holders = [r for r in ranked if adapter in held(r)]
+    if holders and load(holders[0]) - load(ranked[0]) <= max_imbalance:
+        return [holders, [r for r in ranked if r not in holders]]
+    return None
+
+
+def _held_adapters(replica: RunningReplica) -> list[str]:
+    return (replica.routing_stats or {}).get("loras", [])
+
+
+def _prompt_of(pending_request: PendingRequest | None) -> list[int] | None:
+    """EngineServer.generate(request_id, prompt_token_ids, params): the token ids, if any."""
+    if pending_request is None or len(pending_request.args) < 2:
+        return None
+    prompt = pending_request.args[1]
+    return prompt if isinstance(prompt, list) else None
