@@ -15,7 +15,9 @@ acceptance, where verifying costs more than it saves.
 The model can be wrong on a given host (a drafted step leaves a fast decode path it does not
 see), so what drafting really brought is checked after the fact: before drafting at a batch
 size, a plain step is measured there, and the DraftLedger (engine/core/draft_ledger.py) stops
-drafting for a while at any batch size where drafted steps did not beat plain ones.
+drafting for a while at any batch size where drafted steps did not beat plain ones. Asking
+the proposer has a cost of its own where steps are launched ahead (a GPU): prompt lookup that
+found nothing in the text rests a few steps after each dry answer (DRY_HOLD_MAX).
 """
 
 from __future__ import annotations
