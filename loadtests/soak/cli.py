@@ -51,7 +51,7 @@ REPLICAS = OVERRIDES["engine_replicas"]["num_replicas"]
 def app_args(model: str) -> dict[str, Any]:
     import yaml
 
-    with open(Path(__file__).parent.parent / "deploy.yaml") as f:
+    with open(Path(__file__).resolve().parents[2] / "deploy.yaml") as f:
         args = yaml.safe_load(f)["applications"][0]["args"]
     return args | OVERRIDES | {"model": model, "served_model_name": "soak"}
 

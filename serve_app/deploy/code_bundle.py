@@ -14,7 +14,7 @@ import argparse
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "serve_app", "cluster")
 _SKIPPED_DIRS = {"__pycache__", ".pytest_cache"}
 _SKIPPED_SUFFIXES = {".pyc", ".so", ".o"}

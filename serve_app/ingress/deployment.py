@@ -13,22 +13,22 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.lora_config import LoRAConfig
 from engine.model.loader import read_spec, resolve_max_model_len
 from serve_app.config import AppArgs
+from serve_app.ingress import ops_routes
 from serve_app.ingress.edge_routes import EdgeState, install_edge
 from serve_app.ingress.lora_names import AdapterNames
 from serve_app.ingress.lora_routes import router as lora_router
 from serve_app.ingress.ops_routes import OpsState
-from serve_app.ingress.ops_routes import router as ops_router
 from serve_app.observability import tracing
 from serve_app.observability.telemetry import IngressMetrics
 from serve_app.openai import protocol as oai
 from serve_app.openai.completions import CompletionsService
-from serve_app.openai.completions import router as completions_router
 from serve_app.openai.embeddings import EmbeddingsService
 from serve_app.openai.embeddings import router as embeddings_router
 from serve_app.openai.errors import install_error_handlers
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
 install_edge(app)
-for router in (ops_router, completions_router, responses_router, embeddings_router, lora_router):
+for router in (responses_router, embeddings_router, lora_router):
     app.include_router(router)
 
 
@@ -90,8 +90,8 @@ class OpenAIIngress:
             self.args, self.max_model_len, self.prompts, self.adapters, self.client,
             self.metrics, tracer,
         )  # fmt: skip
-        app.state.ops = OpsState(self.args, engine, self.metrics, metrics_board, controller)
-        app.state.completions = CompletionsService(self.path)
+        self.ops = OpsState(self.args, engine, self.metrics, metrics_board, controller)
+        self.completion_service = CompletionsService(self.path)
         app.state.responses = ResponsesService(self.path, response_store)
         app.state.embeddings = EmbeddingsService(self.path)
         # What the routes beside generation read (serve_app/ingress/edge_routes.py).
@@ -105,3 +105,27 @@ class OpenAIIngress:
             self.args.api.keys(),
             self.adapters,
         )
+
+    # ---------------------------------------------------------------------- its routes
+    # The class's own routes: Serve freezes a copy of `app` when it decorates the class, and
+    # the routers above read the state set on `app` in __init__ (request.app.state) only
+    # while the class has routes of its own (seen, not pinned down: see the notebook).
+    @app.get("/health")
+    async def health(self) -> Response:
+        return await ops_routes.health(self.ops)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        return await ops_routes.metrics(self.ops)
+
+    @app.get("/v1/cluster")
+    async def cluster(self) -> Response:
+        return await ops_routes.cluster(self.ops)
+
+    @app.post("/v1/completions")
+    async def completions(self, body: oai.CompletionRequest) -> Response:
+        return await self.completion_service.serve("completions", body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: oai.ChatCompletionRequest) -> Response:
+        return await self.completion_service.serve("chat", body)

@@ -1,6 +1,6 @@
-"""The ingress's operations routes: GET /health (for load balancers), /metrics (Prometheus:
-the ingress's own and the engine replicas'), /v1/cluster (the controller's view), read from
-the FastAPI app's state."""
+"""What the ingress's operations routes answer: GET /health (for load balancers), /metrics
+(Prometheus: the ingress's own and the engine replicas'), /v1/cluster (the controller's
+view). The routes are the OpenAIIngress class's own (serve_app/ingress/deployment.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from ray.serve.handle import DeploymentHandle
 
@@ -17,8 +16,6 @@ from serve_app.observability.telemetry import IngressMetrics
 from serve_app.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
-
-router = APIRouter()
 
 
 @dataclass
@@ -30,11 +27,9 @@ class OpsState:
     controller: DeploymentHandle | None
 
 
-@router.get("/health")
-async def health(request: Request) -> Response:
+async def health(ops: OpsState) -> Response:
     """200 while an engine replica answers its health check; else 503 with the reason (for
     load balancers: this ingress can serve nothing then)."""
-    ops: OpsState = request.app.state.ops
     try:
         timeout = ops.args.health.check_timeout_s
         await asyncio.wait_for(ops.engine.check_health.remote(), timeout)
@@ -44,9 +39,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    ops: OpsState = request.app.state.ops
+async def metrics(ops: OpsState) -> Response:
     body = ops.metrics.render()
     if ops.metrics_board is not None:
         try:
@@ -57,10 +50,8 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=ops.metrics.content_type)
 
 
-@router.get("/v1/cluster")
-async def cluster(request: Request) -> Response:
+async def cluster(ops: OpsState) -> Response:
     """The controller's view: per replica stats, limits and decisions (cluster.status)."""
-    ops: OpsState = request.app.state.ops
     if ops.controller is None:
         message = "the cluster controller is disabled (controller.enabled)"
         return OpenAIError.server_error(503, message).response()

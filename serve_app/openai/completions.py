@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: each request through the path every request
 takes (serve_app/openai/request_path.py) to the engine replicas, answered as SSE events or a
-whole body (serve_app/openai/completion_bodies.py); served by the replica's
-CompletionsService from the FastAPI app's state."""
+whole body (serve_app/openai/completion_bodies.py). The routes are the OpenAIIngress
+class's own (serve_app/ingress/deployment.py), which call its CompletionsService."""
 
 from __future__ import annotations
 
@@ -9,26 +9,12 @@ import contextlib
 import time
 from functools import partial
 
-from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.openai import protocol as oai
 from serve_app.openai.completion_bodies import sse_events, whole_body
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.request_path import Body, RequestPath
 from serve_app.transport.streaming import closing, runs_response
-
-router = APIRouter()
-
-
-@router.post("/v1/completions")
-async def completions(body: oai.CompletionRequest, request: Request) -> Response:
-    return await request.app.state.completions.serve("completions", body)
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Response:
-    return await request.app.state.completions.serve("chat", body)
 
 
 class CompletionsService:
