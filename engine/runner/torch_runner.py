@@ -132,10 +132,9 @@ class TorchModelRunner:
         # step with them and graphs capture them; what they keep on the device is counted.
         check = config.gpu_self_check
         self.self_check: list[PartCheck] = self.check_kernels() if check else []
-        graph_rows = graph_query_rows(self.device_model(), config)
-        self._num_blocks = num_cache_blocks(
-            self.device_model(), config.cache, config.scheduler, max_len, graph_rows
-        )
+        dm = self.device_model()  # with the backend the check left
+        graph_rows = graph_query_rows(dm, config)
+        self._num_blocks = num_cache_blocks(dm, config.cache, config.scheduler, max_len, graph_rows)
         if self.tp is not None:  # every rank holds each block's share of the heads
             self._num_blocks = self.tp.min(self._num_blocks)
         warn_if_short(self._num_blocks * self.block_size, max_len)
@@ -157,7 +156,7 @@ class TorchModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: DecodeGraphs | None = None  # rows of a last token and its drafts
         if graph_rows:
-            dm, caches, scratch = self.device_model(), self.kv_caches, self.scratch_block
+            caches, scratch = self.kv_caches, self.scratch_block
             max_seqs = config.scheduler.max_num_seqs
             self.graphs = DecodeGraphs(dm, caches, scratch, max_seqs, max_len)
             self.self_check += self.check_graphs() if check else []

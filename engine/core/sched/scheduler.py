@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.core.clock import Clock
-from engine.core.config import SchedulerConfig, SchedulerLimits
+from engine.core.config import SchedulerLimits
 from engine.core.errors import InvalidParam
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.lora_slots import LoRASlots
 from engine.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -22,7 +19,6 @@ from engine.core.sched.inspection import check_integrity, check_request, schedul
 from engine.core.sched.preemption import allocate_or_preempt
 from engine.core.sched.state import SchedulerState
 from engine.core.sched.verified_rows import take_verified
-from engine.core.speculator import Speculator
 
 
 class Scheduler(SchedulerState):
@@ -35,17 +31,6 @@ class Scheduler(SchedulerState):
     run out, the worst-ranked running request goes back to the head of the waiting queue.
     """
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv_cache: KVCacheManager,
-        clock: Clock | None = None,
-        speculator: Speculator | None = None,
-        loras: LoRASlots | None = None,
-    ) -> None:
-        super().__init__(config, kv_cache, clock, speculator, loras)
-        self._num_added = 0
-
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises InvalidParam if it could never run."""
@@ -54,8 +39,8 @@ class Scheduler(SchedulerState):
             raise InvalidParam("request_id", f"request_id {rid!r} is already in use")
         check_request(self, request)
         request.arrival_time = request.arrival_time or self.clock.now()
-        request.seq = self._num_added
-        self._num_added += 1
+        request.seq = self.num_added
+        self.num_added += 1
         self.requests[rid] = request
         self.waiting.append(request)
 

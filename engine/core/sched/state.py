@@ -37,6 +37,7 @@ class SchedulerState:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_added = 0  # requests ever added: each one's arrival order (Request.seq)
         # Ended since the last step was scheduled: the runner forgets their rows' state.
         self.ended_since_last_step: list[str] = []
         self.static_admitted = 0  # members admitted into the current static batch
