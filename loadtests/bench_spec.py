@@ -10,18 +10,28 @@ Random-weight models say little about real acceptance, so the drafts come from a
 without speculation, with a set share of the drafted tokens corrupted. For each batch size
 and acceptance: decode tokens/s and the median time per output token (TPOT) of the decode
 phase (after every request has its first token), without speculation and with it, adaptive
-drafting on (`--repeat` such pairs, off-on then on-off; figures are their medians; one
-speculator serves a batch size's runs, as a replica's would, so it probes step sizes once).
+drafting on (`--repeat` such pairs; figures are their medians; one speculator serves a batch
+size's runs, as a replica's would, so it probes step sizes once).
+
+On a device whose steps are synchronous (the CPU) a pair runs in lockstep: two engines of the
+same checkpoint, one without speculation and one with it, take a step each in turn, and each
+run's figures count only its own steps' time, so the host's drift and its neighbours' bursts
+fall on both alike; the engines swap roles from pair to pair, so neither instance's memory
+layout favours one side. Each batch size first runs both engines without speculation in
+lockstep: that ratio (`noise`, per batch size) is what the measurement itself scatters by. On
+a GPU, where steps stay in flight across calls, a pair's runs take turns on one engine
+(off-on, then on-off).
 
 Then the ngram proposer on prompts that quote the model (X, its own greedy continuation of
 X, X again), with the acceptance it got; the ngram proposer again on a tiny model trained to
 copy its context (loadtests/copy_model.py, trained once into models/tiny-copy) and prompts
 that repeat a block, where prompt lookup finds what the model says; and with `--draft DIR` a
 draft-model proposer on random prompts. With --json the output ends with one JSON object
-holding `worst_speedup` (per batch size, the least speedup over the acceptances: what
-speculation can cost there), `speedup_batch1_acc08`, `speedup_batch128` (that least at batch
-128) and `requests_changed_total` (requests whose greedy tokens changed with speculation in
-any run: 0 unless a near-tie rounded the other way).
+holding `noise` (per batch size, off against off in lockstep), `worst_speedup` (per batch
+size, the least speedup over the acceptances: what speculation can cost there),
+`speedup_batch1_acc08`, `speedup_batch128` (that least at batch 128) and
+`requests_changed_total` (requests whose greedy tokens changed with speculation in any run:
+0 unless a near-tie rounded the other way).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -67,37 +77,119 @@ def _engine(model: str, args, max_batch: int) -> LLMEngine:
     )
 
 
+Engines = tuple[LLMEngine, LLMEngine]
+
+
+def _engines(model: str, args, max_batch: int) -> Engines:
+    """Two engines of the checkpoint where steps are synchronous (pairs run in lockstep);
+    elsewhere one, twice (a pair's runs take turns on it)."""
+    first = _engine(model, args, max_batch)
+    if args.device != "cpu":
+        return first, first
+    return first, _engine(model, args, max_batch)
+
+
+def _distinct(engines: Engines) -> list[LLMEngine]:
+    return list(dict.fromkeys(engines))
+
+
+def _close(engines: Engines) -> None:
+    for engine in _distinct(engines):
+        engine.close()
+
+
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
 
 
+@dataclass
+class _Phase:
+    """One engine's run of a batch of prompts, timed by its own steps only."""
+
+    engine: LLMEngine
+    ids: list[str]
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    first: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)
+    clock: float = 0.0  # seconds spent in this engine's steps
+    start: float | None = None  # the clock when every request had its first token
+
+    def step(self) -> None:
+        began = time.perf_counter()
+        outputs = self.engine.step()
+        self.clock += time.perf_counter() - began
+        for out in outputs:
+            self.tokens[out.request_id] += out.new_token_ids
+            self.first.setdefault(out.request_id, self.clock)
+            self.last[out.request_id] = self.clock
+        if self.start is None and len(self.first) == len(self.ids):
+            self.start = self.clock
+
+    def figures(self) -> dict:
+        decoded = sum(len(t) - 1 for t in self.tokens.values())
+        tpot = [
+            (self.last[r] - self.first[r]) / (len(self.tokens[r]) - 1)
+            for r in self.ids
+            if len(self.tokens[r]) > 1
+        ]
+        return {
+            "tokens": self.tokens,
+            "tokens_per_s": decoded / (max(self.last.values()) - self.start),
+            "tpot_ms": statistics.median(tpot) * 1e3,
+        }
+
+
+def decode_phases(
+    runs: list[tuple[LLMEngine, list[list[int]], str]], max_tokens: int
+) -> list[dict]:
+    """Each engine runs its prompts together, the engines a step each in turn (distinct
+    engines: a run's steps see the host as the others' do); per run, tokens/s and TPOT of
+    the phase after every first token, on the clock of its own steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    phases = []
+    for engine, prompts, tag in runs:
+        phase = _Phase(engine, [f"{tag}-{i}" for i in range(len(prompts))])
+        for rid, prompt in zip(phase.ids, prompts, strict=True):
+            engine.add_request(rid, prompt, params)
+            phase.tokens[rid] = []
+        phases.append(phase)
+    while busy := [p for p in phases if p.engine.has_unfinished_requests()]:
+        for phase in busy:
+            phase.step()
+    return [phase.figures() for phase in phases]
+
+
 def decode_phase(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
     """Run the prompts together; tokens/s and TPOT of the phase after every first token."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    start = None
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            tokens[out.request_id] += out.new_token_ids
-            first.setdefault(out.request_id, now)
-            last[out.request_id] = now
-        if start is None and len(first) == len(ids):
-            start = now
-    decoded = sum(len(t) - 1 for t in tokens.values())
-    tpot = [(last[r] - first[r]) / (len(tokens[r]) - 1) for r in ids if len(tokens[r]) > 1]
-    return {
-        "tokens": tokens,
-        "tokens_per_s": decoded / (max(last.values()) - start),
-        "tpot_ms": statistics.median(tpot) * 1e3,
+    return decode_phases([(engine, prompts, tag)], max_tokens)[0]
+
+
+def off_and_on_phases(
+    engines: Engines,
+    prompts: list[list[int]],
+    speculator: Speculator,
+    max_tokens: int,
+    tag: str,
+    swap: bool = False,
+) -> tuple[dict, dict]:
+    """The prompts without speculation and with `speculator`: on two engines in lockstep
+    (`swap`: the second engine runs without), or on one, off then on (`swap`: on then
+    off)."""
+    off_engine, on_engine = engines[::-1] if swap else engines
+    if off_engine is not on_engine:
+        _with(off_engine, None)
+        _with(on_engine, speculator)
+        off, on = decode_phases(
+            [(off_engine, prompts, f"off-{tag}"), (on_engine, prompts, f"on-{tag}")], max_tokens
+        )
+        return off, on
+    runs = [(None, f"off-{tag}"), (speculator, f"on-{tag}")]
+    found = {
+        run_tag: decode_phase(_with(off_engine, spec), prompts, max_tokens, run_tag)
+        for spec, run_tag in (runs[::-1] if swap else runs)
     }
+    return found[f"off-{tag}"], found[f"on-{tag}"]
 
 
 def _with(engine: LLMEngine, speculator: Speculator | None) -> LLMEngine:
@@ -105,32 +197,36 @@ def _with(engine: LLMEngine, speculator: Speculator | None) -> LLMEngine:
     return engine
 
 
-def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
-    """Per acceptance, `--repeat` pairs of runs, speculation off and on, in turns (off-on,
-    then on-off: a host that drifts during a pair's runs moves both pairs' ratios in opposite
-    directions); the figures are the pairs' medians."""
+def run_batch(engines: Engines, batch: int, args, vocab: int) -> tuple[dict, float | None]:
+    """Per acceptance, `--repeat` pairs of runs, speculation off and on (the second of each
+    two swapped: roles in lockstep, order in turns); the figures are the pairs' medians.
+    With them, the off-against-off ratio of two lockstep engines (None with one engine)."""
     prompts = _prompts(batch, args.prompt_len, vocab, seed=batch)
-    config = engine.config.speculative
+    # Without speculation first (on both engines where there are two): the greedy outputs
+    # the drafts replay, the batch size's warm-up, and the measurement's own scatter.
+    refs = [(_with(e, None), prompts, f"ref-{batch}-{i}") for i, e in enumerate(_distinct(engines))]
+    ref = decode_phases(refs, args.max_tokens)
+    noise = ref[1]["tokens_per_s"] / ref[0]["tokens_per_s"] if len(ref) == 2 else None
+    outputs = list(ref[0]["tokens"].values())
     # One speculator for the batch size's runs, as a replica keeps its own: its step-time
     # measurements, acceptance history and ledger carry over (its first steps probe once,
     # not once a run); each run gets a proposer and counters of its own.
-    warm = Speculator(config, token_tile=step_token_tile(engine.runner))
+    warm = Speculator(engines[0].config.speculative, token_tile=step_token_tile(engines[0].runner))
     rows = {}
     for acceptance in args.acceptances:
         pairs = []
-        outputs: list[list[int]] | None = None  # greedy: the same in every off run
         for round_ in range(args.repeat):
             tag = f"{batch}-{acceptance}-{round_}"
-
-            if outputs is None or round_ % 2 == 0:
-                off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"off-{tag}")
-                outputs = list(off["tokens"].values())
-                on, stats = _run_on(engine, warm, prompts, outputs, acceptance, args, tag)
-            else:
-                on, stats = _run_on(engine, warm, prompts, outputs, acceptance, args, tag)
-                off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"off-{tag}")
-            on["changed"] = _changed(engine, prompts, off, on)
-            pairs.append((off, on, stats))
+            drafts = {f"on-{tag}-{i}": tokens for i, tokens in enumerate(outputs)}
+            speculator = _rewarmed(warm, ReplayProposer(drafts, acceptance, vocab))
+            steps_before = speculator.num_steps
+            off, on = off_and_on_phases(
+                engines, prompts, speculator, args.max_tokens, tag, swap=round_ % 2 == 1
+            )
+            steps = max(1, speculator.num_steps - steps_before)
+            on["drafts_per_step"] = speculator.stats.num_draft_tokens / steps
+            on["changed"] = _changed(engines[0], prompts, off, on)
+            pairs.append((off, on, speculator.stats))
         med = statistics.median
         stats = [st for _, _, st in pairs]
         rows[str(acceptance)] = {
@@ -146,7 +242,7 @@ def run_batch(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
             "near_ties": [tie for _, on, _ in pairs for tie in on["changed"]],
             **_step_times(warm, batch),
         }
-    return rows
+    return rows, noise
 
 
 def _ms(value: float | None) -> str:
@@ -160,26 +256,6 @@ def _step_times(speculator: Speculator, batch: int) -> dict:
     plain = times.plain_seconds(batch) * 1e3 if times.plain.num_bands else None
     drafted = times.drafted_seconds(batch + 1) * 1e3 if times.ready else None
     return {"plain_step_ms": plain, "drafted_step_ms": drafted}
-
-
-def _run_on(
-    engine: LLMEngine,
-    warm: Speculator,
-    prompts: list[list[int]],
-    outputs: list[list[int]],
-    acceptance: float,
-    args,
-    tag: str,
-) -> tuple[dict, SpecDecodeStats]:
-    """The prompts with speculation on: drafts replayed from `outputs` at `acceptance`."""
-    vocab = engine.runner_vocab_size()
-    drafts = {f"on-{tag}-{i}": tokens for i, tokens in enumerate(outputs)}
-    speculator = _rewarmed(warm, ReplayProposer(drafts, acceptance, vocab))
-    steps_before = speculator.num_steps
-    on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"on-{tag}")
-    steps = max(1, speculator.num_steps - steps_before)
-    on["drafts_per_step"] = speculator.stats.num_draft_tokens / steps
-    return on, speculator.stats
 
 
 def _rewarmed(speculator: Speculator, proposer) -> Speculator:
@@ -240,11 +316,10 @@ def _quoting_prompts(engine: LLMEngine, batch: int, args, vocab: int) -> list[li
     return [x + c + x for x, c in zip(heads, said["tokens"].values(), strict=True)]
 
 
-def off_and_on(engine: LLMEngine, prompts, speculator: Speculator, args, tag: str) -> dict:
-    """The prompts without speculation, then with `speculator`: speedup and acceptance."""
-    off = decode_phase(_with(engine, None), prompts, args.max_tokens, f"{tag}-off")
-    on = decode_phase(_with(engine, speculator), prompts, args.max_tokens, f"{tag}-on")
-    changed = _changed(engine, prompts, off, on)
+def off_and_on(engines: Engines, prompts, speculator: Speculator, args, tag: str) -> dict:
+    """The prompts without speculation and with `speculator`: speedup and acceptance."""
+    off, on = off_and_on_phases(engines, prompts, speculator, args.max_tokens, tag)
+    changed = _changed(engines[0], prompts, off, on)
     return {
         "batch": len(prompts),
         "requests_changed": len(changed),
@@ -257,10 +332,19 @@ def off_and_on(engine: LLMEngine, prompts, speculator: Speculator, args, tag: st
     }
 
 
-def run_ngram(engine: LLMEngine, batch: int, args, vocab: int) -> dict:
-    prompts = _quoting_prompts(engine, batch, args, vocab)
-    speculator = Speculator(engine.config.speculative, token_tile=step_token_tile(engine.runner))
-    return off_and_on(engine, prompts, speculator, args, f"ngram-{batch}")
+def run_ngram(engines: Engines, batch: int, args, vocab: int) -> dict:
+    prompts = _quoting_prompts(engines[0], batch, args, vocab)
+    on_engine = engines[1]
+    speculator = Speculator(
+        on_engine.config.speculative, token_tile=step_token_tile(on_engine.runner)
+    )
+    return off_and_on(engines, prompts, speculator, args, f"ngram-{batch}")
+
+
+def _warm_up(engines: Engines, prompts: list[list[int]]) -> None:
+    decode_phases(
+        [(_with(e, None), prompts, f"warm-up-{i}") for i, e in enumerate(_distinct(engines))], 8
+    )
 
 
 def run_ngram_copy(args) -> list[dict]:
@@ -268,30 +352,31 @@ def run_ngram_copy(args) -> list[dict]:
     prompts that repeat a block: what prompt lookup gives where text repeats."""
     model = copy_model(args.copy_dir or REPO / "models" / "tiny-copy", args.copy_steps)
     batches = [int(x) for x in args.ngram_batches.split(",")]
-    engine = _engine(model, args, max(batches))
-    decode_phase(_with(engine, None), copy_prompts(2, 16, seed=1), 8, "warm-up")
+    engines = _engines(model, args, max(batches))
+    _warm_up(engines, copy_prompts(2, 16, seed=1))
     rows = []
     for batch in batches:
         prompts = copy_prompts(batch, 2 * COPY_PERIOD, seed=batch)
         speculator = Speculator(
-            engine.config.speculative, token_tile=step_token_tile(engine.runner)
+            engines[1].config.speculative, token_tile=step_token_tile(engines[1].runner)
         )
-        rows.append(off_and_on(engine, prompts, speculator, args, f"copy-{batch}"))
-    engine.close()
+        rows.append(off_and_on(engines, prompts, speculator, args, f"copy-{batch}"))
+    _close(engines)
     return rows
 
 
-def run_draft(engine: LLMEngine, draft: str, batch: int, args, vocab: int) -> dict:
+def run_draft(engines: Engines, draft: str, batch: int, args, vocab: int) -> dict:
     """The draft-model proposer (`--draft DIR`) against speculation off, on random prompts."""
     from engine.runner.draft_proposer import DraftModelProposer
 
     prompts = _prompts(batch, args.prompt_len, vocab, seed=7 + batch)
-    config = replace(engine.config.speculative, method="draft_model", model=draft)
+    on_engine = engines[1]
+    config = replace(on_engine.config.speculative, method="draft_model", model=draft)
     proposer = DraftModelProposer(
-        replace(engine.config, speculative=config), engine.runner, engine.tokenizer
+        replace(on_engine.config, speculative=config), on_engine.runner, on_engine.tokenizer
     )
-    speculator = Speculator(config, proposer, token_tile=step_token_tile(engine.runner))
-    return off_and_on(engine, prompts, speculator, args, f"draft-{batch}")
+    speculator = Speculator(config, proposer, token_tile=step_token_tile(on_engine.runner))
+    return off_and_on(engines, prompts, speculator, args, f"draft-{batch}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -316,12 +401,17 @@ def main(argv: list[str] | None = None) -> dict:
     args.acceptances = [float(a) for a in args.acceptances.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     model = resolve_model(args.model)
-    engine = _engine(model, args, max(batches))
-    vocab = engine.runner_vocab_size()
-    decode_phase(_with(engine, None), _prompts(2, 16, vocab, 0), 8, "warm-up")
+    engines = _engines(model, args, max(batches))
+    vocab = engines[0].runner_vocab_size()
+    _warm_up(engines, _prompts(2, 16, vocab, 0))
     result: dict = {"model": args.model, "device": args.device, "k": args.k, "batches": {}}
+    result["noise"] = {}
     for batch in batches:
-        rows = result["batches"][str(batch)] = run_batch(engine, batch, args, vocab)
+        rows, result["noise"][str(batch)] = run_batch(engines, batch, args, vocab)
+        result["batches"][str(batch)] = rows
+        if result["noise"][str(batch)] is not None:
+            print(f"batch {batch:4d}  off against off (the measurement's scatter): "
+                  f"x{result['noise'][str(batch)]:.3f}", flush=True)  # fmt: skip
         for name, row in rows.items():
             measured = row["acceptance_measured"]
             print(
@@ -334,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"plain, {_ms(row['drafted_step_ms'])} drafted",
                 flush=True,
             )
-    result["ngram"] = [run_ngram(engine, b, args, vocab) for b in
+    result["ngram"] = [run_ngram(engines, b, args, vocab) for b in
                        (int(x) for x in args.ngram_batches.split(","))]  # fmt: skip
     for row in result["ngram"]:
         print(f"ngram batch {row['batch']}: x{row['speedup']:.2f}, acceptance "
@@ -345,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"ngram on the copy model, batch {row['batch']}: x{row['speedup']:.2f}, "
                   f"acceptance {row['acceptance']}", flush=True)  # fmt: skip
     if args.draft:
-        result["draft_model"] = [run_draft(engine, args.draft, b, args, vocab) for b in
+        result["draft_model"] = [run_draft(engines, args.draft, b, args, vocab) for b in
                                  (int(x) for x in args.ngram_batches.split(","))]  # fmt: skip
         for row in result["draft_model"]:
             print(f"draft_model batch {row['batch']}: x{row['speedup']:.2f}, acceptance "
@@ -364,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
         row for key in ("ngram", "ngram_copy", "draft_model") for row in result.get(key, [])
     ]
     result["requests_changed_total"] = sum(row["requests_changed"] for row in every_run)
+    _close(engines)
     if args.json:
         print(json.dumps(result))
     return result

@@ -162,7 +162,7 @@ def measure_ngram(engine: LLMEngine, sizes: Sizes, vocab: int, found: Findings) 
     """Batch 1, speculation off then on (ngram), on a prompt that quotes the model."""
     args = SimpleNamespace(prompt_len=sizes.spec_prompt_len, max_tokens=sizes.spec_max_tokens)
     bench_spec.decode_phase(engine, _random_prompts(1, 16, vocab, 0), 8, "warm-up")
-    row = bench_spec.run_ngram(engine, 1, args, vocab)
+    row = bench_spec.run_ngram((engine, engine), 1, args, vocab)
     found.record(
         ngram_speedup_b1=row["speedup"],
         ngram_acceptance=row["acceptance"] or 0.0,  # None: nothing was drafted
