@@ -53,7 +53,11 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.config = config
         self.tokenizer = tokenizer
-        if runner is None:
+        if runner is None and config.device == "emulated":
+            from engine.runner.emulated_runner import EmulatedRunner
+
+            runner = EmulatedRunner(config, tokenizer)
+        elif runner is None:
             from engine.runner.torch_runner import TorchModelRunner
 
             runner = TorchModelRunner(config)

@@ -117,6 +117,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="a Ray Serve flag for the cluster this run starts (repeatable), "
         "e.g. RAY_SERVE_ENABLE_DIRECT_INGRESS=1",
     )
+    parser.add_argument(
+        "--emulate",
+        default=None,
+        metavar="MODEL@GPU",
+        help="engine.device emulated, e.g. Llama-3.1-8B@H100-80GB: both sides run the cost "
+        "model's step times on the wall clock (docs/emulated-replica.md), the serving path at "
+        "a GPU's token rate",
+    )
+    parser.add_argument("--ingress-replicas", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
     # Serve's direct ingress (the default of serve_app.deploy.local_cluster): the ingress replica
@@ -128,6 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ[key] = value
 
     model_dir = resolve_model(opts.model)
+    emulate = {}
+    if opts.emulate:
+        name, _, gpu = opts.emulate.partition("@")
+        emulate = {"device": "emulated", "emulate": {"model": name, "gpu": gpu or "H100-80GB"}}
     args = AppArgs.model_validate(
         {
             "model": model_dir,
@@ -144,9 +157,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # Rounds repeat the same prompts: a warm prefix cache would flatter every
                 # round after the first (the workload itself shares no prefixes).
                 "enable_prefix_caching": False,
+                **emulate,
             },
-            "engine_replicas": {"num_replicas": 1, "num_cpus": 1},
-            "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.5},
+            "engine_replicas": {"num_replicas": 1, "num_cpus": 0 if emulate else 1},
+            "ingress_replicas": {"num_replicas": opts.ingress_replicas, "num_cpus": 0.5},
         }
     )
     from transformers import AutoConfig
@@ -164,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "model": opts.model,
+        "emulate": opts.emulate,
+        "ingress_replicas": opts.ingress_replicas,
         "num_requests": len(items),
         "concurrency": opts.concurrency,
         "http_tok_s": http["tok_s"],

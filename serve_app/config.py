@@ -242,6 +242,7 @@ class AppArgs(_Strict):
             self.batching.factory(self.engine.max_num_seqs)
         except ValueError as exc:
             raise ValueError(f"batching: {exc}") from None
+        self.emulated_label()  # a misspelt model or GPU fails the deploy, not the replicas
         scaling = self.autoscaling
         if scaling is not None:
             from cluster.autoscale import AutoscaleConfig
@@ -264,6 +265,16 @@ class AppArgs(_Strict):
         if self.served_model_name:
             return self.served_model_name
         return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    def emulated_label(self) -> str | None:
+        """engine.device emulated: the model and GPU its replicas emulate ("Llama-3.1-8B on
+        H100-80GB"); else None. Raises InvalidParam (a ValueError) naming a bad emulate knob."""
+        if self.engine.device != "emulated":
+            return None
+        from engine.runner.emulated_runner import emulated
+
+        emulate = self.engine.emulate
+        return emulated(emulate.model, emulate.gpu, emulate.calibration).label
 
     @property
     def replica_capacity(self) -> int:

@@ -1,7 +1,7 @@
 """deploy.yaml's `engine:` section: every knob of the engine's core records but the model,
 flat, under the same name, with the same default and description (engine/core/config.py
-defines each once); speculative decoding's and LoRA adapters' knobs are blocks of their
-own, `speculative:` and `lora:`."""
+defines each once); speculative decoding's, LoRA adapters' and the emulated GPU's knobs are
+blocks of their own, `speculative:`, `lora:` and `emulate:`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,23 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core.config import (
+    CacheConfig,
+    EmulateConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.core.lora_config import LoRAConfig
 
 _ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
-_NOT_ENGINE_ARGS = {"model", "cache", "scheduler", "speculative", "lora"}
+# Records that are blocks of their own under `engine:`, by field name.
+_BLOCKS: dict[str, type] = {
+    "speculative": SpeculativeConfig,
+    "lora": LoRAConfig,
+    "emulate": EmulateConfig,
+}
+_NOT_ENGINE_ARGS = {"model", "cache", "scheduler", *_BLOCKS}
 
 
 def _fields_of(*records: type, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -40,28 +52,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-SpeculativeArgs = create_model(
-    "SpeculativeArgs",
-    __base__=_Strict,
-    __doc__=SpeculativeConfig.__doc__,
-    **_fields_of(SpeculativeConfig),
-)
+def _block_model(record: type) -> type[BaseModel]:
+    model_name = f"{record.__name__.removesuffix('Config')}Args"
+    return create_model(model_name, __base__=_Strict, __doc__=record.__doc__, **_fields_of(record))
 
-LoRAArgs = create_model(
-    "LoRAArgs", __base__=_Strict, __doc__=LoRAConfig.__doc__, **_fields_of(LoRAConfig)
-)
+
+_BLOCK_ARGS = {name: _block_model(record) for name, record in _BLOCKS.items()}
 
 
 def _engine_fields() -> dict[str, Any]:
     fields = _fields_of(*_ENGINE_RECORDS, skip=frozenset(_NOT_ENGINE_ARGS))
-    fields["speculative"] = (
-        SpeculativeArgs,
-        Field(default_factory=SpeculativeArgs, description=SpeculativeConfig.__doc__),
-    )
-    fields["lora"] = (
-        LoRAArgs,
-        Field(default_factory=LoRAArgs, description=LoRAConfig.__doc__),
-    )
+    for name, args in _BLOCK_ARGS.items():
+        fields[name] = (args, Field(default_factory=args, description=_BLOCKS[name].__doc__))
     return fields
 
 
@@ -82,8 +84,7 @@ class _EngineArgsBase(BaseModel):
             model=model,
             cache=CacheConfig(**take(CacheConfig)),
             scheduler=SchedulerConfig(**take(SchedulerConfig)),
-            speculative=SpeculativeConfig(**values["speculative"]),
-            lora=LoRAConfig(**values["lora"]),
+            **{name: record(**values[name]) for name, record in _BLOCKS.items()},
             **take(EngineConfig),
         )
 

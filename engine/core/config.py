@@ -217,6 +217,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class EmulateConfig:
+    """`device: emulated`: the GPU whose step times an engine replica keeps, with no model."""
+
+    model: str = knob(
+        "Llama-3.1-8B",
+        "device emulated: the model whose steps are priced, by name from the simulator's "
+        "tables (Llama-2-7B, Llama-2-13B, Llama-3.1-8B, Llama-3-70B, Qwen2.5-7B). The served "
+        "checkpoint (`model`) gives only the tokenizer.",
+    )
+    gpu: str = knob(
+        "H100-80GB",
+        "device emulated: the GPU, by name from the simulator's tables (A100-40GB, A100-80GB, "
+        "H100-80GB, H200); its memory sizes the KV cache (gpu_memory_fraction after weights).",
+    )
+    calibration: str | None = knob(
+        None,
+        "device emulated: a `python -m loadtests.calibrate` JSON; its fitted model, device "
+        "and constants price the steps instead of model and gpu.",
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an LLMEngine over a local HF checkpoint directory."""
 
@@ -224,7 +246,12 @@ class EngineConfig:
         metadata={"doc": "Local HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3)."}
     )
     dtype: Dtype = knob("float32", "Weight and activation dtype.")
-    device: str = knob("cpu", "torch device of the engine: 'cpu' or 'cuda'.")
+    device: str = knob(
+        "cpu",
+        "torch device of the engine: 'cpu' or 'cuda'; or 'emulated': no model, each step takes "
+        "the time the cost model prices it at on the GPU of `emulate` and says a fixed text in "
+        "the checkpoint tokenizer's ids (docs/emulated-replica.md).",
+    )
     attention_backend: AttentionBackendName = knob(
         "auto",
         "Paged attention kernels: cpu (native, CPU float32), torch (the reference, any device), "
@@ -279,6 +306,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, Dtype)

@@ -88,8 +88,15 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             # The ingress's code on the replica's own loop: under direct ingress its sends
             # then wait for the client (in Serve's thread they go to an unbounded queue), so
             # a client that stops reading shows (api.max_unsent_tokens); and one thread hop
-            # less per chunk.
-            "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+            # less per chunk. Its handles' router on that loop too: every item of a stream
+            # from an engine replica (a delta channel's step) otherwise crosses from the
+            # router's thread.
+            "runtime_env": {
+                "env_vars": {
+                    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                }
+            },
         },
     ).bind(engine, plain, controller, board, lora_board, store)
 

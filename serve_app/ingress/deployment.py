@@ -104,6 +104,7 @@ class OpenAIIngress:
             oai.now(),
             self.args.api.keys(),
             self.adapters,
+            self.args.emulated_label(),
         )
 
     # ---------------------------------------------------------------------- its routes

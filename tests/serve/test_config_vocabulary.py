@@ -10,14 +10,21 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core.config import (
+    CacheConfig,
+    EmulateConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.core.lora_config import LoRAConfig
 from serve_app.config import AppArgs, EngineArgs
 from tests.conftest import REPO
 from tests.local_serve import deploy_yaml_args
 
 ENGINE_RECORDS = (EngineConfig, CacheConfig, SchedulerConfig)
-BLOCKS = {"speculative": SpeculativeConfig, "lora": LoRAConfig}  # engine: blocks of their own
+# engine: blocks of their own
+BLOCKS = {"speculative": SpeculativeConfig, "lora": LoRAConfig, "emulate": EmulateConfig}
 
 
 def engine_knobs() -> dict[str, dataclasses.Field]:
