@@ -30,21 +30,21 @@ from serve_app.config import AppArgs
 from serve_app.deploy.local_cluster import stop_local_serve
 
 
-def start_serve(args: AppArgs) -> str:
-    """A local Ray instance and the app; returns the /v1 base URL (the ingress replica's own
-    port when Serve's direct ingress is on, else the proxy's)."""
+def start_serve(args: AppArgs) -> list[str]:
+    """A local Ray instance and the app; returns the /v1 base URLs (each ingress replica's
+    own port when Serve's direct ingress is on, else the proxy's)."""
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.deploy.local_cluster import ingress_url, start_local_serve
+    from serve_app.deploy.local_cluster import ingress_urls, start_local_serve
 
     port = start_local_serve(log_level="WARNING")
     serve.run(build_app(args), name="bench", route_prefix="/")
-    return ingress_url("bench", port) + "/v1"
+    return [url + "/v1" for url in ingress_urls("bench", port)]
 
 
 # --------------------------------------------------------------------------------- main
-async def _rounds(opts, args: AppArgs, base_v1: str, items: list[WorkItem]) -> list[tuple]:
+async def _rounds(opts, args: AppArgs, base_v1: list[str], items: list[WorkItem]) -> list[tuple]:
     """Alternate in-process and HTTP rounds so that machine drift hits both alike."""
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine
@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "delta_channels": args.delta_channels,
         "serve_env": opts.serve_env,
         "host": cpu_accounting.host_info(),
-        "url": base_v1,
+        "url": base_v1[0],
+        "urls": base_v1,
         "http": http,
         "inprocess": inproc,
     }

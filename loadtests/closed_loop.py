@@ -5,7 +5,7 @@ per-request timings."""
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -108,10 +108,18 @@ async def run_inprocess(engine, items: list[WorkItem], concurrency: int) -> RunR
 
 
 # --------------------------------------------------------------------------------- HTTP
-async def run_http(base_v1: str, model: str, items: list[WorkItem], concurrency: int) -> RunResult:
-    import httpx
+async def run_http(
+    base_v1: str | list[str], model: str, items: list[WorkItem], concurrency: int
+) -> RunResult:
+    """`base_v1`: one server, or several (each ingress replica's own URL) taken in turns by
+    the requests. Streams with usage at the end only (as `vllm bench serve` asks), through
+    the lean client of loadtests/sse_client.py."""
+    from loadtests.sse_client import SseClient
 
-    async def one(http: httpx.AsyncClient, it: WorkItem) -> RequestTiming:
+    clients = [SseClient(base) for base in ([base_v1] if isinstance(base_v1, str) else base_v1)]
+    turns = itertools.cycle(clients)
+
+    async def one(it: WorkItem) -> RequestTiming:
         body = {
             "model": model,
             "prompt": it.prompt_token_ids,
@@ -119,30 +127,22 @@ async def run_http(base_v1: str, model: str, items: list[WorkItem], concurrency:
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stream_options": {"include_usage": True},
         }
         t = RequestTiming(time.perf_counter())
-        async with http.stream("POST", f"{base_v1}/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {await resp.aread()!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                usage = json.loads(line[6:]).get("usage") or {}
-                n = usage.get("completion_tokens", 0)
-                if n and t.first_token is None:
-                    t.first_token = time.perf_counter()
-                t.tokens = max(t.tokens, n)
-        t.end = time.perf_counter()
+        streamed = await next(turns).stream("/completions", body)
+        t.first_token, t.end, t.tokens = streamed.first_event, streamed.end, streamed.tokens
         return t
 
     from ray import serve
 
     engine = serve.get_deployment_handle("EngineServer", app_name="bench")
-    limits = httpx.Limits(max_connections=concurrency * 2)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await one(http, items[0])
+    try:
+        await one(items[0])
         busy = (await engine.stats.remote())["step_seconds_total"]
-        result = await closed_loop(items, concurrency, lambda it: one(http, it))
+        result = await closed_loop(items, concurrency, one)
         result.engine_step_s = (await engine.stats.remote())["step_seconds_total"] - busy
         return result
+    finally:
+        for client in clients:
+            await client.close()

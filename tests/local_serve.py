@@ -6,6 +6,9 @@ test of this app also proves that).
 `narrow` (route /narrow): 1 engine replica that holds 4 requests (2 running + 2 queued), for
 overload and disconnect tests where one replica's stats must tell the whole story; it does
 not speculate.
+`emulated` (route /emulated): 2 emulated engine replicas (an 8B model on an H100 at the cost
+model's step times, docs/emulated-replica.md) behind 1 ingress: the serving path at a GPU's
+token rate, with ngram speculation drafting whenever it finds drafts.
 """
 
 from __future__ import annotations
@@ -82,6 +85,19 @@ NARROW = {
 }
 
 
+EMULATED = {
+    "engine": {
+        "device": "emulated",
+        "emulate": {"model": "Llama-3.1-8B", "gpu": "H100-80GB"},
+        "max_num_seqs": 256,
+        "max_model_len": 2048,
+        "lora": {"enabled": False, "adapters": {}, "search_path": None},
+    },
+    "max_queued_requests": 256,
+    "engine_replicas": {"num_replicas": 2, "num_cpus": 0},
+}
+
+
 @dataclass
 class ServeCluster:
     base_url: str  # http://127.0.0.1:PORT
@@ -123,10 +139,12 @@ def serve_cluster() -> Iterator[ServeCluster]:
         port = start_local_serve()
         args = app_args(model)
         narrow = build_app(app_args(model, **NARROW))
-        serve.run_many(  # both apps start together
+        emulated = build_app(app_args(model, **EMULATED))
+        serve.run_many(  # the apps start together
             [
                 RunTarget(target=build_app(args), name="llm", route_prefix="/"),
                 RunTarget(target=narrow, name="narrow", route_prefix="/narrow"),
+                RunTarget(target=emulated, name="emulated", route_prefix="/emulated"),
             ]
         )
         _wait_ready(f"http://127.0.0.1:{port}")
@@ -141,7 +159,7 @@ def _wait_ready(base_url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            urls = (f"{base_url}/health", f"{base_url}/narrow/health")
+            urls = [f"{base_url}{app}/health" for app in ("", "/narrow", "/emulated")]
             if all(httpx.get(url, timeout=5).status_code == 200 for url in urls):
                 return
         except httpx.HTTPError:

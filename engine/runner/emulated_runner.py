@@ -66,6 +66,13 @@ def emulated(model: str, gpu: str, calibration: str | None = None) -> Emulated:
     return Emulated(MODELS[model], GPUS[gpu], CostParams(), f"{model} on {gpu}")
 
 
+def said_ids(tokenizer) -> list[int]:
+    """TEXT in `tokenizer`'s ids, without special tokens: what an emulated replica says, the
+    token at sequence position p being the one at p modulo its length."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [t for t in tokenizer.encode(TEXT, add_special_tokens=False) if t not in special]
+
+
 def _refuse_what_needs_a_model(config: EngineConfig) -> None:
     """Knobs whose work an emulated replica cannot price or say: InvalidParam naming each."""
     if config.lora.enabled:
@@ -120,8 +127,7 @@ class EmulatedRunner:
         spec = read_spec(config.model)
         self._max_model_len = resolve_max_model_len(config.scheduler.max_model_len, spec)
         self.backend_reason = f"engine.device: emulated ({self.emulated.label}), no model"
-        ends = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self.text = [t for t in tokenizer.encode(TEXT, add_special_tokens=False) if t not in ends]
+        self.text = said_ids(tokenizer)
         self._free_at = 0.0  # when the emulated device finishes the steps queued on it
         self.busy_seconds = 0.0
 

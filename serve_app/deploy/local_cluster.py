@@ -59,17 +59,26 @@ def ingress_url(app_name: str, proxy_port: int) -> str:
     """Where clients reach `app_name`: with Serve's direct ingress
     (RAY_SERVE_ENABLE_DIRECT_INGRESS=1) the ingress replica serves HTTP on its own port and
     the proxy hop is skipped; otherwise the proxy on `proxy_port`."""
+    return ingress_urls(app_name, proxy_port)[0]
+
+
+def ingress_urls(app_name: str, proxy_port: int) -> list[str]:
+    """Every ingress replica's own URL under direct ingress (a load test spreads its clients
+    over them, as a load balancer would); otherwise the proxy's."""
     import ray
     from ray.serve.context import _get_global_client
 
     # Serve's controller lists where each app's HTTP traffic goes: the ingress replicas' ports
     # under direct ingress, the proxies otherwise.
     controller = _get_global_client()._controller
-    for group in ray.get(controller.get_target_groups.remote(app_name)):
-        for target in group.targets if group.protocol == "HTTP" else []:
-            if target.port != proxy_port:
-                return f"http://127.0.0.1:{target.port}"  # local: the host we bound
-    return f"http://127.0.0.1:{proxy_port}"
+    urls = [
+        f"http://127.0.0.1:{target.port}"  # local: the host we bound
+        for group in ray.get(controller.get_target_groups.remote(app_name))
+        if group.protocol == "HTTP"
+        for target in group.targets
+        if target.port != proxy_port
+    ]
+    return urls or [f"http://127.0.0.1:{proxy_port}"]
 
 
 def stop_local_serve() -> None:

@@ -77,6 +77,8 @@ class OpenAIIngress:
             channels = DeltaChannels(engine, channel_id, self.args.api.max_unsent_tokens)
         self.engine = engine
         self.metrics = IngressMetrics(self.model_name)
+        if channels is not None:
+            self.metrics.watch_channels(channels)
         self.client = EngineClient(
             engine,
             owner,

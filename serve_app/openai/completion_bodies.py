@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from serve_app.openai import protocol as oai
 from serve_app.openai.chat_deltas import ChatDeltas, whole_message
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.logprobs_format import LogprobsFormatter
+from serve_app.openai.sse_chunks import ChunkEncoder, sse
 from serve_app.transport.streaming import Prepared
 
 
@@ -35,10 +35,6 @@ class Choice:
 
 # `record(lasts)`: a request's metrics and span, from the last delta of each of its choices.
 Recorder = Callable[[list[RequestOutput]], None]
-
-
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
 
 
 def _usage(choices: list[Choice]) -> dict[str, int]:
@@ -125,16 +121,20 @@ async def sse_events(
     formatters = _formatters(prep, len(choices))
     messages = [ChatDeltas(prep.tools, prep.reasoning) for _ in choices] if chat else []
     failed = False
+    encoder = ChunkEncoder(base)
+    # Chunks written from templates: no usage on each (vLLM's continuous usage), no logprobs.
+    plain = not prep.continuous_usage and prep.logprobs is None
 
     def event(choice: dict[str, Any]) -> str:
-        chunk = base | {"choices": [choice]}
         if prep.continuous_usage:  # usage so far on every chunk (vLLM's extension)
-            chunk["usage"] = _usage(choices)
-        return sse(chunk)
+            return sse(base | {"choices": [choice], "usage": _usage(choices)})
+        return encoder.event(choice)
 
     def chunks(c: Choice, out: RequestOutput) -> list[str]:
         """The events of one delta of choice `c`."""
         finish = out.finish_reason if out.finished else None
+        if plain and not chat:
+            return [encoder.text(c.index, out.new_text, finish)] if out.new_text or finish else []
         formatter = formatters[c.index]
         logprobs = formatter.format(out.new_token_ids, out.logprobs) if formatter else None
         if not chat:
@@ -143,6 +143,8 @@ async def sse_events(
             return []
         message = messages[c.index]
         deltas = message.feed(out.new_text, finish is not None)
+        if plain and not finish and len(deltas) == 1 and deltas[0].keys() == {"content"}:
+            return [encoder.content(c.index, deltas[0]["content"])]
         if logprobs and not deltas:
             deltas = [{"content": ""}]
         events = [

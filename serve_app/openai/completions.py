@@ -9,12 +9,13 @@ import contextlib
 import time
 from functools import partial
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from serve_app.openai.completion_bodies import sse_events, whole_body
 from serve_app.openai.errors import OpenAIError
+from serve_app.openai.event_stream import EventStream
 from serve_app.openai.request_path import Body, RequestPath
-from serve_app.transport.streaming import closing, runs_response
+from serve_app.transport.streaming import runs_response
 
 
 class CompletionsService:
@@ -46,8 +47,7 @@ class CompletionsService:
                 runs_response()
                 events = sse_events(prep, body.model, choices, record)
                 # The response's body outlives this call: it ends the span when it ends.
-                events = closing(events, scope.pop_all())
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+                return EventStream(events, scope.pop_all(), headers)
             try:
                 whole, lasts = await whole_body(prep, body.model, choices)
             except OpenAIError as exc:  # lost with its replica, and no other took it

@@ -199,6 +199,11 @@ class DeltaChannels:
         self._replica_of: dict[str, str] = {}
         self._open_at: Counter[str] = Counter()  # replica id -> open requests
         self._tasks: dict[str, asyncio.Task] = {}  # replica id -> its subscription
+        # What the path costs per engine step (/metrics): messages taken, deltas they held,
+        # and wake-ups of the responses reading them (RequestStream counts its own).
+        self.num_messages = 0
+        self.num_deltas = 0
+        self.num_wakeups = 0
 
     def open(self, request_id: str) -> DeltaQueue:
         """The request's queue; open it before the request is sent so no delta is missed."""
@@ -247,6 +252,8 @@ class DeltaChannels:
                 delivered = False
                 async for batch in stream:
                     delivered = True
+                    self.num_messages += 1
+                    self.num_deltas += len(batch)
                     for out in batch:
                         queue = self._queues.get(out.request_id)
                         if queue is not None:

@@ -130,10 +130,13 @@ class RequestStream:
         return overflow
 
     async def _channelled(self, queue: DeltaQueue) -> AsyncIterator[RequestOutput]:
+        assert self.channels is not None
         watcher = asyncio.get_running_loop().create_task(self._watch())
         try:
             while True:
-                item = merge_queued(await queue.get(), queue)
+                item = await queue.get()
+                self.channels.num_wakeups += 1
+                item = merge_queued(item, queue)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -160,13 +163,3 @@ class RequestStream:
             logger.error("request %s: its delta channel lost its end", self.request_id)
             lost = ConnectionError("the engine replica's deltas for this request were lost")
             self.channels.fail(self.request_id, lost)
-
-
-async def closing(events: AsyncIterator[str], scope: contextlib.ExitStack) -> AsyncIterator[str]:
-    """The events, then `scope` closed (a request's span ended), also when the client leaves
-    early. (Module level in this module: Serve pickles the ingress class as its module is
-    imported, so the ingress may only use names defined before it.)"""
-    with scope:
-        async with contextlib.aclosing(events) as inner:
-            async for event in inner:
-                yield event

@@ -1,4 +1,5 @@
-"""The serving benchmark runs end to end on the tiny model (own Ray instance, subprocess)."""
+"""The serving benchmark runs end to end on the tiny model's tokenizer with emulated H100
+engines and two ingress replicas (own Ray instance, subprocess)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def test_bench_serve_json_has_the_promised_keys(tiny_model):
             "6",
             "--concurrency",
             "4",
+            *("--emulate", "Llama-3.1-8B@H100-80GB", "--ingress-replicas", "2"),
             "--json",
         ],
         cwd=REPO,
@@ -41,10 +43,12 @@ def test_bench_serve_json_has_the_promised_keys(tiny_model):
             assert result[side][key] > 0, (side, key)
         assert 0 <= result[side]["steal_frac"] < 1
         assert result[side]["tok_s_steal_adjusted"] >= result[side]["tok_s"]
-    # Direct ingress by default: the URL is the ingress replica's own port, not the proxy's,
-    # and the CPU accounting sees the engine and ingress replicas working for the HTTP side.
-    assert result["url"].startswith("http://127.0.0.1:")
-    port = int(result["url"].split(":")[2].split("/")[0])
-    assert 30000 <= port <= 31000, result["url"]
+    # Direct ingress by default: the URLs are the ingress replicas' own ports, not the
+    # proxy's, and the CPU accounting sees the engine and ingress replicas working for the
+    # HTTP side.
+    assert len(result["urls"]) == 2 and result["url"] == result["urls"][0]
+    for url in result["urls"]:
+        assert url.startswith("http://127.0.0.1:")
+        assert 30000 <= int(url.split(":")[2].split("/")[0]) <= 31000, url
     cpu = result["http_cpu_ms_per_token"]
     assert cpu["ray::EngineServer"] > 0 and cpu["ray::OpenAIIngress"] > 0, cpu

@@ -16,12 +16,13 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.core.errors import InvalidParam
 from serve_app.openai.chat_deltas import ChatDeltas, whole_message
 from serve_app.openai.completion_bodies import Choice, merged
 from serve_app.openai.errors import OpenAIError
+from serve_app.openai.event_stream import EventStream
 from serve_app.openai.request_path import RequestPath
 from serve_app.openai.responses.output import (
     OutputEvents,
@@ -37,7 +38,7 @@ from serve_app.openai.responses.protocol import (
     input_messages,
     renamed,
 )
-from serve_app.transport.streaming import Prepared, closing, runs_response
+from serve_app.transport.streaming import Prepared, runs_response
 
 ENDPOINT, ENDPOINT_PATH = "responses", "/v1/responses"
 # How often a background response asks the store whether a cancel came (through any replica).
@@ -84,8 +85,7 @@ class ResponsesService:
                 path.metrics.answered(ENDPOINT, 200)
                 runs_response()
                 events = self._events(turn, choices, record)
-                events = closing(events, scope.pop_all())
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+                return EventStream(events, scope.pop_all(), headers)
             try:
                 done = await self._whole(turn, choices, record)
                 if done["status"] == "failed":

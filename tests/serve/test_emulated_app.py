@@ -1,0 +1,88 @@
+"""The `emulated` app (tests/local_serve.py): two emulated H100 replicas of an 8B model, so
+the serving path (ingress, delta channels, SSE) runs at a GPU's token rate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from engine.runner.emulated_runner import said_ids
+
+APP = "emulated"
+STREAMS = 128
+MAX_TOKENS = 96
+
+
+def _ingress_counts(cluster) -> dict[str, float]:
+    """The ingress's delta channel counters (its /metrics)."""
+    text = httpx.get(f"{cluster.base_url}/{APP}/metrics", timeout=10).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("dynabatch_ingress_") and "_total " in line:
+            name, value = line.split(" ")
+            counts[name.removeprefix("dynabatch_ingress_").removesuffix("_total")] = float(value)
+    return counts
+
+
+def _engine_counts(cluster) -> dict[str, int]:
+    stats = cluster.replica_stats(APP, 2).values()
+    keys = ("num_steps_total", "channel_deltas_total")
+    return {key: sum(s[key] for s in stats) for key in keys}
+
+
+def test_the_models_card_says_it_is_emulated(serve_cluster):
+    card = httpx.get(f"{serve_cluster.v1(APP)}/models", timeout=10).json()["data"][0]
+    assert card["id"] == "tiny"
+    assert card["emulated"].startswith("Llama-3.1-8B on H100-80GB: no model")
+
+
+async def _streams(url: str, prompt: list[int]) -> list[tuple[str, int]]:
+    """STREAMS streamed completions at once: each one's text and completion tokens."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+
+    async def one(http: httpx.AsyncClient) -> tuple[str, int]:
+        text, tokens = [], 0
+        async with http.stream("POST", f"{url}/completions", json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: ") :])
+                    text += [c["text"] for c in chunk["choices"]]
+                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+        return "".join(text), tokens
+
+    limits = httpx.Limits(max_connections=2 * STREAMS)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        return await asyncio.gather(*(one(http) for _ in range(STREAMS)))
+
+
+@pytest.mark.timeout(300)
+def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_step(
+    serve_cluster,
+):
+    """128 streams at an emulated H100's rate, with speculation making steps of several
+    tokens (the prompt is the text the replica says, twice: prompt lookup finds what comes
+    next). The ingress takes at most one Ray message per engine step, and a response wakes
+    at most once per engine step: once per delta (a step's tokens), never once per token."""
+    tokenizer = AutoTokenizer.from_pretrained(serve_cluster.model)
+    text = said_ids(tokenizer)
+    assert len(text) > MAX_TOKENS
+    engine_before, ingress_before = _engine_counts(serve_cluster), _ingress_counts(serve_cluster)
+    results = asyncio.run(_streams(serve_cluster.v1(APP), text * 2))
+    engine = {k: v - engine_before[k] for k, v in _engine_counts(serve_cluster).items()}
+    ingress = {k: v - ingress_before[k] for k, v in _ingress_counts(serve_cluster).items()}
+    # Every stream says the text from its start (position 2n of the text's cycle), whole.
+    expected = tokenizer.decode(text[:MAX_TOKENS])
+    assert all(said == expected and tokens == MAX_TOKENS for said, tokens in results)
+    tokens = STREAMS * MAX_TOKENS
+    print(f"{tokens} tokens: ingress {ingress}, engine replicas {engine}")
+    assert ingress["channel_messages"] <= engine["num_steps_total"], (ingress, engine)
+    assert ingress["channel_deltas"] == engine["channel_deltas_total"], (ingress, engine)
+    assert ingress["response_wakeups"] <= ingress["channel_deltas"], ingress
+    # Steps of several tokens happened: fewer deltas (and wake-ups) than tokens.
+    assert ingress["channel_deltas"] < tokens - STREAMS, (ingress, tokens)
