@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -170,6 +170,18 @@ class ReplicaArgs(_Strict):
     )
 
 
+class EngineReplicaArgs(ReplicaArgs):
+    """Replica count and Ray resources of the engine replicas."""
+
+    num_cpus: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
+        "auto",
+        description="Ray logical CPUs per replica. auto: on the CPU the cores the engine's "
+        "threads use (engine.num_threads, else every core), at most what the largest node has "
+        "left after the ingress replicas, so no other engine replica is placed onto busy cores "
+        "and autoscaling stops at the replicas that fit; emulated: 0; on a GPU: 1.",
+    )
+
+
 class AppArgs(_Strict):
     """Everything `serve_app:build_app` needs; deploy.yaml's `args:`."""
 
@@ -213,8 +225,8 @@ class AppArgs(_Strict):
     api: ApiArgs = Field(default_factory=ApiArgs, description="What the OpenAI API lets in.")
     health: HealthArgs = Field(default_factory=HealthArgs, description="Engine replica health.")
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")
-    engine_replicas: ReplicaArgs = Field(
-        default_factory=ReplicaArgs,
+    engine_replicas: EngineReplicaArgs = Field(
+        default_factory=EngineReplicaArgs,
         description="Engine replicas (the GPU actors). With autoscaling, num_replicas is unused.",
     )
     controller: ControllerArgs = Field(

@@ -40,6 +40,8 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 def _type_name(annotation: Any) -> str:
     """int, str or null; a Literal as its values ('a', 'b'); unions joined with "or"."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) is Literal:
         return ", ".join(repr(v) for v in typing.get_args(annotation))
     if typing.get_origin(annotation) in (Union, types.UnionType):

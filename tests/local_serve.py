@@ -94,7 +94,9 @@ EMULATED = {
         "lora": {"enabled": False, "adapters": {}, "search_path": None},
     },
     "max_queued_requests": 256,
+    # No CPU of the session's 4 (the other apps and the controller tests' own take them all).
     "engine_replicas": {"num_replicas": 2, "num_cpus": 0},
+    "ingress_replicas": {"num_replicas": 1, "num_cpus": 0},
 }
 
 

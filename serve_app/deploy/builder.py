@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -9,11 +10,14 @@ from ray.serve.deployment import Application
 
 from cluster.controller import ClusterController
 from serve_app.config import AppArgs, AutoscalingArgs
+from serve_app.deploy.cpu_share import RayCpus, engine_cpus, engine_replicas_that_fit
 from serve_app.ingress.deployment import OpenAIIngress
 from serve_app.observability.metrics_board import EngineMetricsBoard
 from serve_app.openai.responses.store import ResponseStore
 from serve_app.replica.engine_server import EngineServer
 from serve_app.replica.lora_board import LoRABoard
+
+logger = logging.getLogger(__name__)
 
 # Serve's own limit on requests in flight at an engine replica sits above the replica's
 # capacity, so the engine (not Serve's router backoff) decides when to answer 429.
@@ -48,12 +52,15 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         store = ResponseStore.options(ray_actor_options=control).bind(
             app_args.api.stored_responses, app_args.api.stored_response_ttl_s
         )
-    actor_options, placement = _engine_placement(app_args)
+    cpus = RayCpus.found()
+    engine_share = engine_cpus(app_args, cpus)
+    actor_options, placement = _engine_placement(app_args, engine_share)
     scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
     if app_args.autoscaling is not None:
+        fit = engine_replicas_that_fit(app_args, engine_share, cpus)
         scaling = {
             "num_replicas": "auto",
-            "autoscaling_config": _autoscaling_config(app_args.autoscaling),
+            "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit),
         }
         # The replica reads its metrics push period from the environment at import.
         actor_options["runtime_env"] = {
@@ -101,14 +108,14 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     ).bind(engine, plain, controller, board, lora_board, store)
 
 
-def _engine_placement(app_args: AppArgs) -> tuple[dict[str, Any], dict[str, Any]]:
+def _engine_placement(app_args: AppArgs, num_cpus: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """The engine replica's actor options and, with tensor parallelism, its placement group:
     a bundle per rank, each a 1/N share of the replica's resources (one GPU each), packed on
     one node (STRICT_PACK), as Ray Serve LLM places vLLM's workers. The replica (rank 0)
     takes bundle 0 and starts each other rank in its own (engine/runner/rank_bundles.py)."""
     res, ranks = app_args.engine_replicas, app_args.engine.tensor_parallel_size
     share = {
-        "num_cpus": res.num_cpus / ranks,
+        "num_cpus": num_cpus / ranks,
         "num_gpus": res.num_gpus / ranks,
         "resources": {name: amount / ranks for name, amount in res.resources.items()},
     }
@@ -120,13 +127,25 @@ def _engine_placement(app_args: AppArgs) -> tuple[dict[str, Any], dict[str, Any]
     return share, {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
 
 
-def _autoscaling_config(scaling: AutoscalingArgs) -> dict[str, Any]:
+def _autoscaling_config(scaling: AutoscalingArgs, fit: int | None = None) -> dict[str, Any]:
     """Serve's autoscaling_config: our rule decides; Serve's own delays and factors are
-    neutral so the rule behaves as in the simulator."""
+    neutral so the rule behaves as in the simulator. `fit`: the engine replicas the cluster's
+    CPUs hold (None: no bound); the replica counts stop there, not at a replica Ray could
+    never place."""
+    most = scaling.max_replicas
+    if fit is not None and fit < most:
+        logger.warning(
+            "autoscaling.max_replicas %d: the cluster's CPUs hold %d engine replicas beside "
+            "the ingress (engine_replicas.num_cpus); scaling stops there",
+            most,
+            fit,
+        )
+        most = fit
+    least = min(scaling.min_replicas, most)
     return {
-        "min_replicas": scaling.min_replicas,
-        "max_replicas": scaling.max_replicas,
-        "initial_replicas": scaling.initial_replicas or scaling.min_replicas,
+        "min_replicas": least,
+        "max_replicas": most,
+        "initial_replicas": min(scaling.initial_replicas or least, most),
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,
         # Deprecated in Serve 2.58 but still read: it keeps look_back_period_s's check honest
