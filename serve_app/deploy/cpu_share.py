@@ -11,14 +11,11 @@ nothing; a GPU replica one core for its host work.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from dataclasses import dataclass
 
 from serve_app.config import AppArgs
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
