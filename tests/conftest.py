@@ -79,4 +79,4 @@ def build_engine(
 
 
 # One local Ray + Serve for the whole session, shared by tests/serve and tests/chaos.
-from tests.local_serve import serve_cluster  # noqa: E402, F401
+from tests.local_serve import emulated_app, serve_cluster  # noqa: E402, F401

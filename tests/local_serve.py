@@ -1,4 +1,4 @@
-"""A real local Ray instance with two Serve apps built by serve_app.build_app.
+"""A real local Ray instance with Serve apps built by serve_app.build_app.
 
 `llm` (route /): 2 engine replicas behind 1 ingress, the deploy.yaml shape, with ngram
 speculation on, drafting whenever it finds drafts (outputs are unchanged by it, so every
@@ -6,9 +6,10 @@ test of this app also proves that).
 `narrow` (route /narrow): 1 engine replica that holds 4 requests (2 running + 2 queued), for
 overload and disconnect tests where one replica's stats must tell the whole story; it does
 not speculate.
-`emulated` (route /emulated): 2 emulated engine replicas (an 8B model on an H100 at the cost
-model's step times, docs/emulated-replica.md) behind 1 ingress: the serving path at a GPU's
-token rate, with ngram speculation drafting whenever it finds drafts.
+`emulated` (route /emulated, the `emulated_app` fixture: only for the modules that use it):
+2 emulated engine replicas (an 8B model on an H100 at the cost model's step times,
+docs/emulated-replica.md) behind 1 ingress: the serving path at a GPU's token rate, with
+ngram speculation drafting whenever it finds drafts.
 """
 
 from __future__ import annotations
@@ -141,12 +142,10 @@ def serve_cluster() -> Iterator[ServeCluster]:
         port = start_local_serve()
         args = app_args(model)
         narrow = build_app(app_args(model, **NARROW))
-        emulated = build_app(app_args(model, **EMULATED))
         serve.run_many(  # the apps start together
             [
                 RunTarget(target=build_app(args), name="llm", route_prefix="/"),
                 RunTarget(target=narrow, name="narrow", route_prefix="/narrow"),
-                RunTarget(target=emulated, name="emulated", route_prefix="/emulated"),
             ]
         )
         _wait_ready(f"http://127.0.0.1:{port}")
@@ -155,13 +154,30 @@ def serve_cluster() -> Iterator[ServeCluster]:
         stop_local_serve()
 
 
+@pytest.fixture(scope="module")
+def emulated_app(serve_cluster: ServeCluster) -> Iterator[ServeCluster]:
+    """The `emulated` app on the session's Serve, for one test module: its replicas report to
+    their controller and take host CPU while they live, so they live only while needed."""
+    from ray import serve
+
+    from serve_app import build_app
+
+    serve.run(
+        build_app(app_args(serve_cluster.model, **EMULATED)),
+        name="emulated",
+        route_prefix="/emulated",
+    )
+    yield serve_cluster
+    serve.delete("emulated")
+
+
 def _wait_ready(base_url: str, timeout: float = 120.0) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            urls = [f"{base_url}{app}/health" for app in ("", "/narrow", "/emulated")]
+            urls = [f"{base_url}{app}/health" for app in ("", "/narrow")]
             if all(httpx.get(url, timeout=5).status_code == 200 for url in urls):
                 return
         except httpx.HTTPError:

@@ -17,7 +17,8 @@ see), so what drafting really brought is checked after the fact: before drafting
 size, a plain step is measured there, and the DraftLedger (engine/core/draft_ledger.py) stops
 drafting for a while at any batch size where drafted steps did not beat plain ones. Asking
 the proposer has a cost of its own where steps are launched ahead (a GPU): prompt lookup that
-found nothing in the text rests a few steps after each dry answer (DRY_HOLD_MAX).
+found nothing in the text rests a few steps after each dry answer (DRY_HOLD_MAX), until a
+request it has not read yet joins the batch.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Speculator:
         self._quiet = False
         self._num_dry = 0  # proposals in a row that found no draft for any row
         self._hold = 0  # steps left before the proposer is asked again
+        self._asked: set[str] = set()  # requests the proposer has been asked about
 
     # ------------------------------------------------------------------- the scheduler's
     def begin_step(self, running: list[Request]) -> None:
@@ -107,11 +109,15 @@ class Speculator:
             if not wanted:
                 self.stats.num_steps_off += 1
                 quiet = settled and not pause
+        if wanted and any(r.request_id not in self._asked for r, _ in wanted):
+            # The rest was earned by other requests' text: a new one is read at once.
+            self._hold = self._num_dry = 0
         if wanted and self._hold > 0:
             self._hold -= 1
             wanted = []
         self._quiet = quiet
         if wanted:
+            self._asked.update(r.request_id for r, _ in wanted)
             drafts = self.proposer.propose(wanted)
             self._drafts = {r.request_id: d for (r, _), d in zip(wanted, drafts, strict=True) if d}
             if self._drafts:
@@ -178,6 +184,7 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._rates.pop(request_id, None)
+        self._asked.discard(request_id)
         self.proposer.forget(request_id)
 
     # ------------------------------------------------------------------------ helpers

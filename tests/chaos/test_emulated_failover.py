@@ -1,5 +1,5 @@
 """Chaos at a GPU's token rate: an emulated engine replica (an 8B model on an H100, the
-session's `emulated` app, tests/local_serve.py) killed with SIGKILL under 64 streams loses no
+`emulated` app, tests/local_serve.py) killed with SIGKILL under 64 streams loses no
 request. Its streams go on at the other replica from the tokens already sent, each equal to
 what the emulated replica says for its prompt, with no token repeated or missing; every
 replica ends with every KV block free."""
@@ -54,18 +54,18 @@ async def _run(url: str, prompts: list[list[int]], started: asyncio.Event) -> li
         return await asyncio.gather(*(one(http, p) for p in prompts))
 
 
-def _free_everywhere(serve_cluster, timeout: float = 90.0) -> None:
+def _free_everywhere(emulated_app, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        stats = engine_stats(serve_cluster.engine_handle(APP), APP, timeout=timeout).values()
+        stats = engine_stats(emulated_app.engine_handle(APP), APP, timeout=timeout).values()
         if len(stats) == 2 and all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats):
             return
         assert time.monotonic() < deadline, list(stats)
         time.sleep(0.5)
 
 
-def test_sigkill_of_an_emulated_replica_under_load_loses_no_request(serve_cluster):
-    tokenizer = AutoTokenizer.from_pretrained(serve_cluster.model)
+def test_sigkill_of_an_emulated_replica_under_load_loses_no_request(emulated_app):
+    tokenizer = AutoTokenizer.from_pretrained(emulated_app.model)
     text = said_ids(tokenizer)
     # Prompts of different lengths: each says the text from its own position on.
     prompts = [text[: 20 + i] for i in range(STREAMS)]
@@ -73,16 +73,14 @@ def test_sigkill_of_an_emulated_replica_under_load_loses_no_request(serve_cluste
         tokenizer.decode([text[(len(p) + j) % len(text)] for j in range(MAX_TOKENS)])
         for p in prompts
     ]
-    app_url = f"{serve_cluster.base_url}/{APP}"
+    app_url = f"{emulated_app.base_url}/{APP}"
     resumed_before = sequences_resumed(app_url)
 
     async def disturbed() -> list[str]:
         started = asyncio.Event()
-        run = asyncio.create_task(_run(serve_cluster.v1(APP), prompts, started))
+        run = asyncio.create_task(_run(emulated_app.v1(APP), prompts, started))
         await asyncio.wait_for(started.wait(), 60)
-        stats = await asyncio.to_thread(
-            engine_stats, serve_cluster.engine_handle(APP), APP, 2, 30.0
-        )
+        stats = await asyncio.to_thread(engine_stats, emulated_app.engine_handle(APP), APP, 2, 30.0)
         victim = max(stats.values(), key=lambda s: s["num_streams"])
         assert victim["num_streams"] > 0 and not run.done()
         os.kill(victim["pid"], signal.SIGKILL)
@@ -91,4 +89,4 @@ def test_sigkill_of_an_emulated_replica_under_load_loses_no_request(serve_cluste
     texts = asyncio.run(disturbed())
     assert texts == expected, differences(texts, expected)  # 64 of 64, token for token
     assert sequences_resumed(app_url) > resumed_before  # the victim was serving some
-    _free_everywhere(serve_cluster)
+    _free_everywhere(emulated_app)

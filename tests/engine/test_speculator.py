@@ -227,6 +227,38 @@ def test_a_proposer_that_found_nothing_rests_longer_each_time_and_drafts_once_it
     assert spec.continues() and not spec.continues()
 
 
+def test_a_request_joining_a_resting_proposer_is_read_at_once():
+    """The rest after dry answers was earned by the text of the requests asked: a request the
+    proposer has not read yet is asked about in the step it first decodes, and the backoff
+    starts again from one step (a repetitive prompt arriving after many plain ones drafts)."""
+    spec = Speculator(SpeculativeConfig(enabled=True, adaptive=False))
+    spec.proposer = proposer = CountingProposer({})
+    old = request([1, 2, 3], "old")
+    old.num_computed_tokens = 2
+    for step in range(60):
+        proposer.step = step
+        spec.begin_step([old])
+    assert spec._hold > 0  # resting
+    new = request([4, 5, 6], "new")
+    new.num_computed_tokens = 2
+    proposer.step = 60
+    spec.begin_step([old, new])
+    assert proposer.asked_at[-1] == 60
+    proposer.step = 61
+    spec.begin_step([old, new])
+    assert proposer.asked_at[-1] == 60  # dry again: one step's rest, the backoff's first
+    proposer.step = 62
+    spec.begin_step([old, new])
+    assert proposer.asked_at[-1] == 62
+    spec.forget("new")  # ended: a request of that id later is new again
+    for step in range(63, 100):
+        proposer.step = step
+        spec.begin_step([old])
+    proposer.step = 100
+    spec.begin_step([old, new])
+    assert proposer.asked_at[-1] == 100
+
+
 def test_lookahead_slots_of_rejected_drafts_go_back_and_are_never_cached():
     kv = KVCacheManager(num_blocks=20, block_size=4)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)

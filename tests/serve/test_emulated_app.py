@@ -34,8 +34,8 @@ def _engine_counts(cluster) -> dict[str, int]:
     return {key: sum(s[key] for s in stats) for key in keys}
 
 
-def test_the_models_card_says_it_is_emulated(serve_cluster):
-    card = httpx.get(f"{serve_cluster.v1(APP)}/models", timeout=10).json()["data"][0]
+def test_the_models_card_says_it_is_emulated(emulated_app):
+    card = httpx.get(f"{emulated_app.v1(APP)}/models", timeout=10).json()["data"][0]
     assert card["id"] == "tiny"
     assert card["emulated"].startswith("Llama-3.1-8B on H100-80GB: no model")
 
@@ -63,19 +63,19 @@ async def _streams(url: str, prompt: list[int]) -> list[tuple[str, int]]:
 
 @pytest.mark.timeout(300)
 def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_step(
-    serve_cluster,
+    emulated_app,
 ):
     """128 streams at an emulated H100's rate, with speculation making steps of several
     tokens (the prompt is the text the replica says, twice: prompt lookup finds what comes
     next). The ingress takes at most one Ray message per engine step, and a response wakes
     at most once per engine step: once per delta (a step's tokens), never once per token."""
-    tokenizer = AutoTokenizer.from_pretrained(serve_cluster.model)
+    tokenizer = AutoTokenizer.from_pretrained(emulated_app.model)
     text = said_ids(tokenizer)
     assert len(text) > MAX_TOKENS
-    engine_before, ingress_before = _engine_counts(serve_cluster), _ingress_counts(serve_cluster)
-    results = asyncio.run(_streams(serve_cluster.v1(APP), text * 2))
-    engine = {k: v - engine_before[k] for k, v in _engine_counts(serve_cluster).items()}
-    ingress = {k: v - ingress_before[k] for k, v in _ingress_counts(serve_cluster).items()}
+    engine_before, ingress_before = _engine_counts(emulated_app), _ingress_counts(emulated_app)
+    results = asyncio.run(_streams(emulated_app.v1(APP), text * 2))
+    engine = {k: v - engine_before[k] for k, v in _engine_counts(emulated_app).items()}
+    ingress = {k: v - ingress_before[k] for k, v in _ingress_counts(emulated_app).items()}
     # Every stream says the text from its start (position 2n of the text's cycle), whole.
     expected = tokenizer.decode(text[:MAX_TOKENS])
     assert all(said == expected and tokens == MAX_TOKENS for said, tokens in results)
