@@ -1,6 +1,7 @@
 """Serving overhead: the standard workload through HTTP (Ray Serve) vs in process, one run.
 
     python -m loadtests.bench_serve [--model small] [--concurrency 32] [--json]
+    python -m loadtests.bench_serve --concurrency 1 --chat --trace ...   (TTFT stage by stage)
     python -m loadtests.bench_serve sweep --url http://127.0.0.1:8000 ...   (loadtests/sweep/cli.py)
 
 Both sides run the same engine settings and the same closed loop: `concurrency` clients, each
@@ -10,6 +11,9 @@ ingress replica (Serve's direct ingress; `--via-proxy` adds Serve's HTTP proxy i
 streams from one engine replica through a DeploymentHandle. Prints output tokens/s of each, their
 ratio, TTFT and ITL (mean inter-token latency of a request) p50/p99, the share of CPU the
 hypervisor stole during each side, and the CPU each process spent per output token over HTTP.
+`--chat` sends each prompt's text as a chat message (the in-process side gets the chat template
+applied to it); `--trace` has the app write trace spans and splits the HTTP TTFT into stages
+(loadtests/ttft_stages.py).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from loadtests import cpu_accounting
 from loadtests.closed_loop import run_http, run_inprocess
-from loadtests.workload import WorkItem, load_workload, resolve_model
+from loadtests.ttft_stages import ttft_stages
+from loadtests.workload import WorkItem, as_chat, load_workload, resolve_model
 from serve_app.config import AppArgs
 from serve_app.deploy.local_cluster import stop_local_serve
 
@@ -57,7 +64,7 @@ async def _rounds(opts, args: AppArgs, base_v1: list[str], items: list[WorkItem]
             inproc_run = await run_inprocess(engine, fresh, opts.concurrency)
             http_run = await run_http(base_v1, args.model_name, items, opts.concurrency)
             inproc, http = inproc_run.summary(), http_run.summary()
-            rounds.append((inproc, http, http_run.cpu_ms_per_token()))
+            rounds.append((inproc, http, http_run.cpu_ms_per_token(), http_run.timings))
             print(
                 f"round {r}: in process {inproc['tok_s']:.1f} tok/s, HTTP {http['tok_s']:.1f}"
                 f" tok/s, ratio {http['tok_s'] / inproc['tok_s']:.3f}; steal"
@@ -126,6 +133,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "a GPU's token rate",
     )
     parser.add_argument("--ingress-replicas", type=int, default=1)
+    parser.add_argument(
+        "--chat", action="store_true", help="streamed chat completions instead of completions"
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="trace spans to a file; the HTTP TTFT by stage"
+    )
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
     # Serve's direct ingress (the default of serve_app.deploy.local_cluster): the ingress replica
@@ -137,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ[key] = value
 
     model_dir = resolve_model(opts.model)
+    spans = None
+    if opts.trace:
+        spans = Path(tempfile.mkdtemp(prefix="bench_serve_")) / "spans.jsonl"
     emulate = {}
     if opts.emulate:
         name, _, gpu = opts.emulate.partition("@")
@@ -161,12 +177,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             },
             "engine_replicas": {"num_replicas": 1, "num_cpus": 0 if emulate else 1},
             "ingress_replicas": {"num_replicas": opts.ingress_replicas, "num_cpus": 0.5},
+            "tracing": {"exporter": "file", "file_path": str(spans)} if spans else {},
         }
     )
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     items = load_workload(opts.workload, vocab, opts.seed, opts.num_requests)
+    if opts.chat:
+        items = as_chat(items, model_dir)
 
     base_v1 = start_serve(args)
     try:
@@ -185,12 +204,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "http_tok_s": http["tok_s"],
         "inprocess_tok_s": inproc["tok_s"],
         # Median of per-round ratios: each round's two sides ran minutes apart, not hours.
-        "http_over_inprocess": statistics.median(h["tok_s"] / i["tok_s"] for i, h, _ in rounds),
-        "per_round_ratio": [h["tok_s"] / i["tok_s"] for i, h, _ in rounds],
+        "http_over_inprocess": statistics.median(h["tok_s"] / i["tok_s"] for i, h, *_ in rounds),
+        "per_round_ratio": [h["tok_s"] / i["tok_s"] for i, h, *_ in rounds],
         "http_over_inprocess_steal_adjusted": statistics.median(
-            h["tok_s_steal_adjusted"] / i["tok_s_steal_adjusted"] for i, h, _ in rounds
+            h["tok_s_steal_adjusted"] / i["tok_s_steal_adjusted"] for i, h, *_ in rounds
         ),
-        "per_round_steal": [(i["steal_frac"], h["steal_frac"]) for i, h, _ in rounds],
+        "per_round_steal": [(i["steal_frac"], h["steal_frac"]) for i, h, *_ in rounds],
+        # What serving adds to a request's latency: HTTP's median minus in process's.
+        "ttft_added_ms": http["ttft_p50_ms"] - inproc["ttft_p50_ms"],
+        "itl_added_ms": http["itl_p50_ms"] - inproc["itl_p50_ms"],
+        "chat": opts.chat,
         # The steadier figure on a noisy machine: CPU each process spent per output token
         # during the HTTP rounds (medians over rounds).
         "http_cpu_ms_per_token": _median_cpu([r[2] for r in rounds]),
@@ -203,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "http": http,
         "inprocess": inproc,
     }
+    if spans is not None:
+        result["ttft_stages_ms"] = ttft_stages(spans, [t for r in rounds for t in r[3]])
     if opts.json:
         print(json.dumps(result, indent=2))
     else:
@@ -223,6 +248,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         cpu = ", ".join(f"{n} {ms:.2f}" for n, ms in result["http_cpu_ms_per_token"].items())
         print(f"CPU ms per output token during HTTP rounds: {cpu}")
+        print(
+            f"added by serving (medians): TTFT {result['ttft_added_ms']:.1f} ms,"
+            f" ITL {result['itl_added_ms']:.2f} ms"
+        )
+        if "ttft_stages_ms" in result:
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in result["ttft_stages_ms"].items())
+            print(f"HTTP TTFT by stage (ms, medians): {stages}")
     return result
 
 

@@ -21,6 +21,7 @@ class RequestTiming:
     first_token: float | None = None
     end: float = 0.0
     tokens: int = 0
+    request_id: str | None = None  # over HTTP: the response's id
 
     @property
     def ttft(self) -> float:
@@ -122,16 +123,20 @@ async def run_http(
     async def one(it: WorkItem) -> RequestTiming:
         body = {
             "model": model,
-            "prompt": it.prompt_token_ids,
             "max_tokens": it.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if it.chat is None:
+            route, body["prompt"] = "/completions", it.prompt_token_ids
+        else:
+            route, body["messages"] = "/chat/completions", [{"role": "user", "content": it.chat}]
         t = RequestTiming(time.perf_counter())
-        streamed = await next(turns).stream("/completions", body)
+        streamed = await next(turns).stream(route, body)
         t.first_token, t.end, t.tokens = streamed.first_event, streamed.end, streamed.tokens
+        t.request_id = streamed.request_id
         return t
 
     from ray import serve

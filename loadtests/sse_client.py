@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 USAGE_MARK = re.compile(rb'"usage": ?\{"prompt_tokens"')
-TEXT = re.compile(rb'"text": ?"[^"]')  # an event with some text
+ID = re.compile(rb'"id": ?"([^"]+)"')
+TEXT = re.compile(rb'"(?:text|content)": ?"[^"]')  # an event with some text (or chat content)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Streamed:
     first_event: float | None  # perf_counter when the first event with text came
     end: float
     tokens: int  # completion tokens, from the usage chunk
+    request_id: str | None = None  # the response's id, from its first event
 
 
 class _Connection:
@@ -63,7 +65,7 @@ class SseClient:
             text = await reader.readexactly(length)
             conn.writer.close()
             raise RuntimeError(f"HTTP {status}: {text!r}")
-        first, tokens = None, 0
+        first, tokens, request_id = None, 0, None
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
             if size == 0:
@@ -72,6 +74,8 @@ class SseClient:
             chunk = await reader.readexactly(size + 2)
             if first is None and TEXT.search(chunk):
                 first = time.perf_counter()
+                if found := ID.search(chunk):
+                    request_id = found.group(1).decode()
             if USAGE_MARK.search(chunk):
                 event = chunk[chunk.index(b"{") : chunk.rindex(b"}") + 1]
                 tokens = json.loads(event)["usage"]["completion_tokens"]
@@ -80,7 +84,7 @@ class SseClient:
             conn.writer.close()
         else:
             self._idle.append(conn)
-        return Streamed(first, end, tokens)
+        return Streamed(first, end, tokens, request_id)
 
     async def close(self) -> None:
         for conn in self._idle:

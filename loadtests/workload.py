@@ -16,6 +16,9 @@ class WorkItem:
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
+    # A chat request's one user message: prompt_token_ids are then its chat template applied
+    # (what the ingress makes of it), which the in-process side is given.
+    chat: str | None = None
 
 
 def find_workload(name: str) -> Path:
@@ -45,6 +48,24 @@ def load_workload(
         prompt = [rng.randrange(vocab_size) for _ in range(req["prompt_len"])]
         items.append(WorkItem(str(req["id"]), prompt, req["max_tokens"]))
     return items
+
+
+def as_chat(items: list[WorkItem], model_dir: str) -> list[WorkItem]:
+    """The items as chat requests: each prompt's text as the user's message, its tokens the
+    chat template applied to it as the ingress applies it (serve_app/openai/prompts.py)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    chats = []
+    for it in items:
+        text = tokenizer.decode(it.prompt_token_ids)
+        messages = [{"role": "user", "content": text}]
+        templated = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(templated, add_special_tokens=False)
+        chats.append(WorkItem(it.request_id, ids, it.max_tokens, chat=text))
+    return chats
 
 
 def resolve_model(name: str) -> str:

@@ -35,6 +35,7 @@ class CompletionsService:
                 choices = await path.client.start_choices(
                     prep, body.num_sequences, span.carrier(), body.priority
                 )
+                span.event("first_token")  # at this replica: what remains is the response's
             except OpenAIError as exc:
                 metrics.answered(endpoint, exc.status)
                 span.set({"http.response.status_code": exc.status})

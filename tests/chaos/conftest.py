@@ -40,7 +40,7 @@ def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone after tests/chaos: idle replicas still cost CPU
 def chaos_app(serve_cluster: ServeCluster) -> Iterator[str]:
     from ray import serve
 

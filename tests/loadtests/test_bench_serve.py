@@ -1,5 +1,6 @@
 """The serving benchmark runs end to end on the tiny model's tokenizer with emulated H100
-engines and two ingress replicas (own Ray instance, subprocess)."""
+engines and two ingress replicas (own Ray instance, subprocess), streaming chat with trace
+spans: every request's TTFT splits into its stages."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_bench_serve_json_has_the_promised_keys(tiny_model):
             "--concurrency",
             "4",
             *("--emulate", "Llama-3.1-8B@H100-80GB", "--ingress-replicas", "2"),
-            "--json",
+            *("--chat", "--trace", "--json"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -52,3 +53,9 @@ def test_bench_serve_json_has_the_promised_keys(tiny_model):
         assert 30000 <= int(url.split(":")[2].split("/")[0]) <= 31000, url
     cpu = result["http_cpu_ms_per_token"]
     assert cpu["ray::EngineServer"] > 0 and cpu["ray::OpenAIIngress"] > 0, cpu
+    # Each request found its spans by its response's id; the stages follow one another
+    # (spans and client share the host's clock) and add up to about the HTTP TTFT.
+    stages = result["ttft_stages_ms"]
+    assert stages.pop("matched") == 6, stages
+    assert all(ms >= 0 for ms in stages.values()), stages
+    assert sum(stages.values()) == pytest.approx(result["http"]["ttft_p50_ms"], rel=0.5)
