@@ -46,7 +46,9 @@ def start_serve(args: AppArgs) -> list[str]:
     from serve_app.deploy.local_cluster import ingress_urls, start_local_serve
 
     port = start_local_serve(log_level="WARNING")
-    serve.run(build_app(args), name="bench", route_prefix="/")
+    # deploy.yaml's logging_config: no access log line per request in the replicas.
+    logging = {"enable_access_log": False}
+    serve.run(build_app(args), name="bench", route_prefix="/", logging_config=logging)
     return [url + "/v1" for url in ingress_urls("bench", port)]
 
 
