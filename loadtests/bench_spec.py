@@ -15,10 +15,11 @@ size's runs, as a replica's would, so it probes step sizes once).
 
 On a device whose steps are synchronous (the CPU) a pair runs in lockstep: two engines of the
 same checkpoint, one without speculation and one with it, take a step each in turn, and each
-run's figures count only its own steps' time, so the host's drift and its neighbours' bursts
-fall on both alike; the engines swap roles from pair to pair, so neither instance's memory
-layout favours one side. Each batch size first runs both engines without speculation in
-lockstep: that ratio (`noise`, per batch size) is what the measurement itself scatters by. On
+run's figures count only its own steps' time, so the host's drift falls on both alike; the
+engines swap roles from pair to pair, so neither instance's memory layout favours one side.
+Each batch size first runs both engines without speculation in lockstep: that ratio (`noise`,
+per batch size) is what the measurement itself scatters by (a process contending for the
+cores shows there: it does not fall on both alike). On
 a GPU, where steps stay in flight across calls, a pair's runs take turns on one engine
 (off-on, then on-off).
 

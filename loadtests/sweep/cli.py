@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--ab needs --start-app (the tool starts each variant itself)")
     variants: dict[str, dict[str, Any]] = {}
     if opts.start_app:
-        for name, extra in AB_PRESETS[opts.ab] if opts.ab else [("app", {})]:
-            variants[name] = run_started_app(opts, spec, overrides | extra)
+        presets = AB_PRESETS[opts.ab] if opts.ab else [("app", {})]
+        variants = run_started_apps(opts, spec, {n: overrides | x for n, x in presets})
         url = "(apps started by the tool)"
     else:
         if not opts.allow_remote:
@@ -195,10 +195,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def run_started_app(
-    opts: argparse.Namespace, spec: PromptSpec, overrides: dict[str, Any]
-) -> dict[str, Any]:
-    """Start deploy.yaml's app with overrides on a local Ray, sweep it, shut it down."""
+def run_started_apps(
+    opts: argparse.Namespace, spec: PromptSpec, overrides: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """On one local Ray, each variant in turn: deploy.yaml's app with the variant's overrides
+    started, swept and deleted (the next variant starts on an idle cluster)."""
     import yaml
     from ray import serve
 
@@ -208,10 +209,14 @@ def run_started_app(
 
     with open(opts.start_app) as f:
         app_spec = yaml.safe_load(f)["applications"][0]
-    args = AppArgs.model_validate(apply_overrides(app_spec["args"], overrides))
+    variants = {}
     port = start_local_serve(log_level="WARNING")
     try:
-        serve.run(build_app(args), name="sweep", route_prefix="/")
-        return asyncio.run(sweep_url(f"http://127.0.0.1:{port}", None, spec, opts))
+        for name, extra in overrides.items():
+            args = AppArgs.model_validate(apply_overrides(app_spec["args"], extra))
+            serve.run(build_app(args), name="sweep", route_prefix="/")
+            variants[name] = asyncio.run(sweep_url(f"http://127.0.0.1:{port}", None, spec, opts))
+            serve.delete("sweep")
     finally:
         stop_local_serve()
+    return variants

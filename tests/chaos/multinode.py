@@ -3,11 +3,11 @@ own raylet), our app deployed on it as deploy.yaml would place it (the ingress a
 proxy on the head, one engine replica per worker and the control plane on the workers
 through custom resources), and one worker node removed while 16 greedy requests run: the
 node of an engine replica (`engine`), or the node of the cluster controller (`control`,
-which also holds an engine replica, and maybe the metrics board), or the node of an engine
-replica of two tensor-parallel ranks, each in a bundle of the replica's placement group
-(`tp`).
+which also holds an engine replica, and maybe the metrics board). With `+tp` (`engine+tp`,
+`control+tp`) each engine replica has two tensor-parallel ranks, each in a bundle of the
+replica's placement group.
 
-Run in a process of its own (`python -m tests.chaos.multinode engine|control`): a process
+Run in a process of its own (`python -m tests.chaos.multinode control+tp`): a process
 joins one Ray cluster, and the test session's own local Ray is another. Prints one JSON
 object.
 """
@@ -121,7 +121,8 @@ def main(scenario: str) -> dict:
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        layout = LAYOUT | {"control": CONTROL, "tp": TP}.get(scenario, {})
+        parts = scenario.split("+")
+        layout = LAYOUT | (CONTROL if "control" in parts else {}) | (TP if "tp" in parts else {})
         serve.run(build_app(chaos_args(tiny_model_dir(), **layout)), name="mn", route_prefix="/mn")
         base = f"http://127.0.0.1:{port}/mn"
         handle = serve.get_deployment_handle("EngineServer", app_name="mn")
@@ -129,7 +130,7 @@ def main(scenario: str) -> dict:
         placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
         result["placement"] = placement
         result["ranks_with_leader"] = _ranks_with_leader(before, workers)
-        if scenario == "control":
+        if "control" in parts:
             victim = workers[_worker_running("ClusterController", workers)]
         else:
             victim = workers[int(placement[0])]
@@ -152,8 +153,7 @@ def main(scenario: str) -> dict:
         # from the replicas; the cluster view once the controller is back.
         result["metrics_after_s"] = _until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)
         result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
-    finally:
-        serve.shutdown()
+    finally:  # no graceful stop: the cluster goes whole, its processes with it
         ray.shutdown()
         cluster.shutdown()
     return result

