@@ -1,14 +1,24 @@
-"""asyncio front of the engine: one background loop steps the engine in a worker thread."""
+"""asyncio front of the engine: one background loop steps the engine in a worker thread.
+
+One thread runs every torch op of the engine: on the CPU, libgomp gives each thread that
+enters a parallel region a team of its own, and once the teams' threads outnumber the cores it
+stops spinning between regions, so each of a step's many regions waits for its workers to
+wake (a batch-1 decode step then takes about a fifth longer). So the engine is built in the
+thread that steps it (`AsyncLLMEngine.built`), and the work prepared off the loop (a grammar,
+an adapter read) runs in a thread that ends with it, its team with it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TypeVar
 
 from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput, merge_queued
@@ -17,6 +27,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class AsyncLLMEngine:
@@ -28,17 +40,29 @@ class AsyncLLMEngine:
     and frees its blocks before the next step.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
+        """`executor`: the one worker thread that steps `engine` (`built` passes the one that
+        built it)."""
         self.engine = engine
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._executor = executor or _step_executor()
         # Wall time inside engine.step(): against elapsed time it says how busy the engine is.
         self.step_seconds_total = 0.0
         self._step_started: float | None = None
+
+    @classmethod
+    def built(cls, make: Callable[[], LLMEngine]) -> AsyncLLMEngine:
+        """The engine `make` builds, built in the thread that will step it (module doc)."""
+        executor = _step_executor()
+        try:
+            return cls(executor.submit(make).result(), executor)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
 
     async def generate(
         self,
@@ -56,7 +80,7 @@ class AsyncLLMEngine:
         make = partial(self.engine.make_request, request_id, prompt, params, priority, resume, lora)
         # A grammar, or an adapter read for the first time, takes a while: off the loop.
         slow = (params and params.structured) or (lora and not self.engine.loras.holds(*lora))
-        request = await asyncio.to_thread(make) if slow else make()
+        request = await in_passing_thread(make) if slow else make()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._pending_adds.append(request)
@@ -173,3 +197,32 @@ class AsyncLLMEngine:
                 if stream is not None:
                     stream.put_nowait(out)
             await asyncio.sleep(0)  # let consumers run before the next step
+
+
+def _step_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+
+async def in_passing_thread(work: Callable[[], T]) -> T:
+    """`work` in a thread of its own that ends with it (an OpenMP team it starts goes too)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # the caller was cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = work()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="engine-prepare", daemon=True).start()
+    return await done

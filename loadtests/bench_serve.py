@@ -58,7 +58,7 @@ async def _rounds(opts, args: AppArgs, base_v1: list[str], items: list[WorkItem]
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine
 
-    engine = AsyncLLMEngine(LLMEngine(args.engine.engine_config(args.model)))
+    engine = AsyncLLMEngine.built(lambda: LLMEngine(args.engine.engine_config(args.model)))
     rounds = []
     try:
         for r in range(opts.repeat):

@@ -56,7 +56,7 @@ class EngineServer:
             policy = self.external = ExternalLimits(start)
         else:  # the engine runs it itself, before every step
             policy = self.args.batching.make(start.max_num_seqs)
-        self.engine = AsyncLLMEngine(LLMEngine(config, policy=policy))
+        self.engine = AsyncLLMEngine.built(lambda: LLMEngine(config, policy=policy))
         runner = self.engine.engine.runner
         kv_dtype = config.cache.kv_cache_dtype
         self._replica_info = {  # what ReplicaStats reports of the replica's build, unchanging

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
+import torch
 
 from engine.async_engine import AsyncLLMEngine
 from engine.core.sampling_params import SamplingParams
@@ -137,3 +139,37 @@ def test_forward_runs_off_the_event_loop_thread(tiny_model):
     threads, ticks = asyncio.run(main())
     assert threads and threading.get_ident() not in threads
     assert ticks > 30  # the loop kept running between and during steps
+
+
+def test_a_built_engine_steps_in_the_thread_that_built_it_with_its_thread_count(tiny_model):
+    """AsyncLLMEngine.built: every torch op of the engine in one thread (OpenMP gives each
+    thread its own team: engine/async_engine.py), at engine.num_threads."""
+    from engine.core.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    wanted = len(os.sched_getaffinity(0)) + 1  # not OpenMP's default
+    config = EngineConfig(
+        model=tiny_model, num_threads=wanted, cache=CacheConfig(block_size=4, num_blocks=64)
+    )
+    built_in = []
+
+    def make() -> LLMEngine:
+        built_in.append(threading.get_ident())
+        return LLMEngine(config)
+
+    async def main():
+        engine = AsyncLLMEngine.built(make)
+        runner = engine.engine.runner
+        original, seen = runner.launch, set()
+
+        def recording_launch(out):
+            seen.add((threading.get_ident(), torch.get_num_threads()))
+            return original(out)
+
+        runner.launch = recording_launch
+        async for _ in engine.generate("hello", greedy(5), request_id="t"):
+            pass
+        await engine.shutdown()
+        return seen
+
+    assert asyncio.run(main()) == {(built_in[0], wanted)}
