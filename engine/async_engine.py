@@ -3,9 +3,9 @@
 One thread runs every torch op of the engine: on the CPU, libgomp gives each thread that
 enters a parallel region a team of its own, and once the teams' threads outnumber the cores it
 stops spinning between regions, so each of a step's many regions waits for its workers to
-wake (a batch-1 decode step then takes about a fifth longer). So the engine is built in the
-thread that steps it (`AsyncLLMEngine.built`), and the work prepared off the loop (a grammar,
-an adapter read) runs in a thread that ends with it, its team with it.
+wake (docs/cpu-kernels.md). So the engine is built in the thread that steps it
+(`AsyncLLMEngine.built`), and the work prepared off the loop (a grammar, an adapter read) runs
+in a thread that ends with it, its team with it.
 """
 
 from __future__ import annotations
