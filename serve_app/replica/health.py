@@ -39,7 +39,8 @@ class HealthArgs(BaseModel):
         60.0,
         ge=0.0,
         description="How long a replica being removed (downscale, redeploy) may finish its "
-        "streams; those still running then resume at another replica.",
+        "streams; an engine replica's still running then resume at another replica (an "
+        "ingress replica's cannot: the clients' connections end there).",
     )
 
 
