@@ -40,15 +40,12 @@ from serve_app.deploy.local_cluster import stop_local_serve
 def start_serve(args: AppArgs) -> list[str]:
     """A local Ray instance and the app; returns the /v1 base URLs (each ingress replica's
     own port when Serve's direct ingress is on, else the proxy's)."""
-    from ray import serve
 
     from serve_app import build_app
-    from serve_app.deploy.local_cluster import ingress_urls, start_local_serve
+    from serve_app.deploy.local_cluster import ingress_urls, run_app, start_local_serve
 
     port = start_local_serve(log_level="WARNING")
-    # deploy.yaml's logging_config: no access log line per request in the replicas.
-    logging = {"enable_access_log": False}
-    serve.run(build_app(args), name="bench", route_prefix="/", logging_config=logging)
+    run_app(build_app(args), "bench")
     return [url + "/v1" for url in ingress_urls("bench", port)]
 
 

@@ -266,15 +266,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     slos = parse_slos(opts.goodput)
     if opts.start_app is None:
         return _bench(opts, opts.url.rstrip("/"), slos)
-    from ray import serve
 
     from serve_app import build_app
-    from serve_app.deploy.local_cluster import ingress_url, start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import (
+        ingress_url,
+        run_app,
+        start_local_serve,
+        stop_local_serve,
+    )
 
     args = deploy_args(opts.start_app, {k: v for o in opts.override for k, v in o.items()})
     port = start_local_serve(log_level="WARNING")
     try:
-        serve.run(build_app(args), name="bench", route_prefix="/")
+        run_app(build_app(args), "bench")
         return _bench(opts, ingress_url("bench", port), slos)
     finally:
         stop_local_serve()

@@ -175,10 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     sizes = QUICK if args.quick else FULL
     found = Findings(args.out)
     app_args = deploy_args(args.config, app_overrides(args))
-    from ray import serve
 
     from serve_app import build_app
-    from serve_app.deploy.local_cluster import ingress_url, start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import (
+        ingress_url,
+        run_app,
+        start_local_serve,
+        stop_local_serve,
+    )
 
     prompts = None
     start = time.perf_counter()
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     port = start_local_serve(log_level="WARNING", num_gpus=gpus)
     try:
         with found.part("app"):
-            serve.run(build_app(app_args), name=APP, route_prefix="/")
+            run_app(build_app(app_args), APP)
             found.record(app_start_s=time.perf_counter() - start)
             with found.part("over_http"):
                 prompts = over_http(ingress_url(APP, port), sizes, found)

@@ -252,12 +252,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from serve_app import build_app
     from serve_app.config import AppArgs
-    from serve_app.deploy.local_cluster import start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import run_app, start_local_serve, stop_local_serve
 
     args = AppArgs.model_validate(app_args(str(Path(opts.model).resolve())))
     port = start_local_serve(log_level="WARNING")
     try:
-        serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+        run_app(build_app(args), APP, f"/{APP}")
         handle = serve.get_deployment_handle("EngineServer", app_name=APP)
         base = f"http://127.0.0.1:{port}/{APP}/v1"
         result = asyncio.run(soak(opts, base, handle))

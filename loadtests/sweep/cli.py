@@ -205,7 +205,7 @@ def run_started_apps(
 
     from serve_app import build_app
     from serve_app.config import AppArgs
-    from serve_app.deploy.local_cluster import start_local_serve, stop_local_serve
+    from serve_app.deploy.local_cluster import run_app, start_local_serve, stop_local_serve
 
     with open(opts.start_app) as f:
         app_spec = yaml.safe_load(f)["applications"][0]
@@ -214,7 +214,7 @@ def run_started_apps(
     try:
         for name, extra in overrides.items():
             args = AppArgs.model_validate(apply_overrides(app_spec["args"], extra))
-            serve.run(build_app(args), name="sweep", route_prefix="/")
+            run_app(build_app(args), "sweep")
             variants[name] = asyncio.run(sweep_url(f"http://127.0.0.1:{port}", None, spec, opts))
             serve.delete("sweep")
     finally:

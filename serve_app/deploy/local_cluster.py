@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 _BIND_ATTEMPTS = 3
 
@@ -53,6 +54,18 @@ def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> i
             serve.shutdown()
         else:
             return port
+
+
+# deploy.yaml's top-level logging_config, which `serve run` applies to every app's replicas;
+# serve.run takes it per app (serve.start's covers only the controller and proxies).
+APP_LOGGING_CONFIG = {"enable_access_log": False}
+
+
+def run_app(app: Any, name: str, route_prefix: str = "/") -> None:
+    """serve.run `app` as deploy.yaml would: no access-log line per request in its replicas."""
+    from ray import serve
+
+    serve.run(app, name=name, route_prefix=route_prefix, logging_config=APP_LOGGING_CONFIG)
 
 
 def ingress_url(app_name: str, proxy_port: int) -> str:
