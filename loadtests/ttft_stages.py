@@ -4,8 +4,10 @@ app's trace spans (tracing exporter `file`) and the client's own clock.
 Stages, each a median over requests in milliseconds:
 - `client_to_ingress`: the client sends, until the ingress's server span starts (the socket,
   HTTP parsing, routing to the handler);
-- `ingress_to_engine`: the server span's start until the engine replica's span starts (the
-  request validated, the chat template applied and tokenized, Serve's routing, the Ray call);
+- `ingress_prepares`: the server span's start until the request is ready to send (validated,
+  the chat template applied, tokenized);
+- `ingress_to_engine`: from there until the engine replica's span starts (Serve's routing,
+  the Ray call, the replica's event loop taking it);
 - `engine`: the engine span's start until its first token (queue, scheduling, the prefill
   step, detokenization): what the in-process engine's TTFT measures too;
 - `engine_to_ingress`: the engine's first token until the ingress has it (the Ray stream's
@@ -30,8 +32,8 @@ from loadtests.closed_loop import RequestTiming
 # perf_counter readings as wall-clock nanoseconds (the spans' clock), this process's offset.
 _WALL_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
-STAGES = ("client_to_ingress", "ingress_to_engine", "engine", "engine_to_ingress")
-STAGES += ("ingress_to_client",)
+STAGES = ("client_to_ingress", "ingress_prepares", "ingress_to_engine", "engine")
+STAGES += ("engine_to_ingress", "ingress_to_client")
 
 
 def wall_ns(perf_s: float) -> int:
@@ -60,10 +62,12 @@ def ttft_stages(spans_file: Path, timings: list[RequestTiming]) -> dict[str, flo
         engine = engines.get(server["span_id"]) if server is not None else None
         if t.first_token is None or server is None or engine is None:
             continue
+        prepared = _event(server, "prepared")
         at_ingress, at_engine = _event(server, "first_token"), _event(engine, "first_token")
-        if at_ingress is None or at_engine is None:
+        if prepared is None or at_ingress is None or at_engine is None:
             continue
-        marks = [wall_ns(t.start), server["start_ns"], engine["start_ns"], at_engine, at_ingress]
+        marks = [wall_ns(t.start), server["start_ns"], prepared, engine["start_ns"], at_engine]
+        marks.append(at_ingress)
         marks.append(wall_ns(t.first_token))
         for name, a, b in zip(STAGES, marks, marks[1:], strict=False):
             stages[name].append((b - a) / 1e6)

@@ -32,6 +32,7 @@ class CompletionsService:
             try:
                 headers = path.ignored_header(body)
                 prep = path.prepare(endpoint, body, await path.adapters.resolve(body.model))
+                span.event("prepared")  # validated, templated, tokenized: sent next
                 choices = await path.client.start_choices(
                     prep, body.num_sequences, span.carrier(), body.priority
                 )

@@ -5,11 +5,16 @@ ingress's connection carries the client's backpressure), and past a bound, with 
 taken for a while, its request ends. Tokens alone would also count a burst: a subscription
 that was slow to run (a busy host) brings many engine steps at once, before the response
 had a chance to take any.
+
+It is a queue for one reader (the response) with its own waiter: asyncio.Queue's
+bookkeeping for many getters and putters, and its loop lookup on every get, cost the ingress
+a share of its CPU per streamed token.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 
 from engine.core.outputs import RequestOutput
@@ -20,9 +25,11 @@ from engine.core.outputs import RequestOutput
 STALL_CHECK_S = 1.0
 
 
-class DeltaQueue(asyncio.Queue):
+class DeltaQueue:
     def __init__(self, max_unsent_tokens: int | None = None) -> None:
-        super().__init__()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # its reader's, while it waits
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.max_unsent_tokens = max_unsent_tokens  # None: no bound
         self.num_tokens = 0
         self.num_taken = 0  # items its response took so far (a reading client moves it)
@@ -31,19 +38,37 @@ class DeltaQueue(asyncio.Queue):
         self.on_overflow: Callable[[int], None] | None = None
         self._stall_check: asyncio.TimerHandle | None = None
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        super()._put(item)
-        self.ended |= not isinstance(item, RequestOutput) or item.finished
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
         if isinstance(item, RequestOutput):
+            self.ended |= item.finished
             self.num_tokens += len(item.new_token_ids)
             self._watch_bound()
+        else:
+            self.ended = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    def _get(self) -> RequestOutput | BaseException:
-        item = super()._get()
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> RequestOutput | BaseException:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        item = self._items.popleft()
         self.num_taken += 1
         if isinstance(item, RequestOutput):
             self.num_tokens -= len(item.new_token_ids)
         return item
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self.get_nowait()
 
     def close(self) -> None:
         """Its request ended here: no more checks."""

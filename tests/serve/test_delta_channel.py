@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.core.outputs import RequestOutput
-from serve_app.transport.delta_channel import Outbox
+import dataclasses
+
+from engine.core.outputs import RequestOutput, TokenLogprob
+from serve_app.transport.delta_channel import Outbox, packed, unpacked
 
 
 def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:
@@ -35,6 +37,30 @@ def test_one_take_carries_every_delta_queued_since_the_last():
         return [[d.request_id for d in first], [d.request_id for d in second]]
 
     assert asyncio.run(run()) == [["a", "b", "c"], ["a"]]
+
+
+def test_a_packed_batch_unpacks_to_equal_deltas_with_every_field():
+    full = RequestOutput(
+        request_id="a",
+        new_token_ids=[5, 6],
+        new_text="five six",
+        finished=True,
+        finish_reason="stop",
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        error="late",
+        queue_time_s=0.25,
+        num_preemptions=1,
+        logprobs=[TokenLogprob(-0.5, [(5, -0.5)]), TokenLogprob(-1.0, [(6, -1.0)])],
+        prompt_logprobs=[None, TokenLogprob(-2.0, [])],
+        embedding=[0.5, -0.5],
+    )
+    # Every field differs from its default: one the rows left out would show.
+    defaults = RequestOutput("b", [], "", False, None, 0, 0)
+    for f in dataclasses.fields(RequestOutput):
+        assert getattr(full, f.name) != getattr(defaults, f.name), f.name
+    batch = [full, _delta("b", 7)]
+    assert unpacked(packed(batch)) == batch
 
 
 def test_take_ends_only_when_idle_and_nothing_is_open():

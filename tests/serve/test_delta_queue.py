@@ -86,3 +86,22 @@ def test_a_closed_queue_is_not_checked_and_no_bound_means_none():
         return closed_cut, unbounded_cut
 
     assert asyncio.run(run()) == ([], [])
+
+
+def test_its_reader_waits_for_a_put_and_a_cancelled_wait_loses_nothing():
+    async def run() -> list[object]:
+        queue = DeltaQueue(None)
+        waiting = asyncio.create_task(queue.get())
+        await asyncio.sleep(0)
+        waiting.cancel()  # a reader that left while it waited
+        await asyncio.sleep(0)
+        queue.put_nowait(_delta("a", 1))
+        reader = asyncio.create_task(queue.get())
+        await asyncio.sleep(0)
+        assert not queue.ended
+        queue.put_nowait(_delta("a", 2, finished=True))
+        got = [(await reader).new_token_ids, (await queue.get()).new_token_ids]
+        queue.put_nowait(ValueError("after the end"))
+        return [waiting.cancelled(), *got, queue.ended, queue.num_taken]
+
+    assert asyncio.run(run()) == [True, [1], [2], True, 2]

@@ -80,3 +80,7 @@ def test_streaming_request_makes_a_two_process_span_tree(traced_app):
     assert [e["name"] for e in events] == ["queued", "scheduled", "first_token", "finished"]
     assert events[-1]["attributes"]["finish_reason"] == "length"
     assert root["start_ns"] <= child["start_ns"] <= child["end_ns"] <= root["end_ns"]
+    # The ingress's own stages around the engine's (loadtests/ttft_stages.py reads them).
+    marks = {e["name"]: e["time_ns"] for e in root["events"]}
+    assert marks["prepared"] <= child["start_ns"], (marks, child["start_ns"])
+    assert events[2]["time_ns"] <= marks["first_token"], (marks, events)
