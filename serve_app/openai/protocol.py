@@ -3,8 +3,9 @@ reject by name) and response records."""
 
 from __future__ import annotations
 
+import os
+import random
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -225,8 +226,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # ---------------------------------------------------------------------------- responses
+# Seeded from the OS once per process (and again in a fork). uuid4 reads the OS's randomness
+# on every id, a system call that lets go of the GIL: the event loop then waits to get it back.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)  # a forked process draws ids of its own
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{_ids.getrandbits(128):032x}"
 
 
 def now() -> int:

@@ -87,7 +87,8 @@ class EngineClient:
         request_timeout_s: float,
         on_resume: Callable[[], None] = lambda: None,
     ) -> None:
-        self.engine = engine.options(stream=True)
+        # The method's handle, made once (a handle's attribute makes a new one each time).
+        self.generate = engine.options(stream=True).generate
         self.caller = caller
         self.channels = channels
         self.retry_after_s = retry_after_s
@@ -201,7 +202,7 @@ class EngineClient:
         request_id = seq.request_id if seq.num_sends == 1 else f"{seq.request_id}~{seq.num_sends}"
         stream = RequestStream(request_id, self.channels)
         try:
-            stream.call = self.engine.generate.remote(
+            stream.call = self.generate.remote(
                 request_id,
                 seq.prep.prompt_token_ids,
                 seq.params,

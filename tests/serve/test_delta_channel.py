@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 import dataclasses
 
 from engine.core.outputs import RequestOutput, TokenLogprob
