@@ -53,7 +53,9 @@ def packed(batch: list[RequestOutput]) -> bytes:
     return pickle.dumps([_row(out) for out in batch], protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def unpacked(data: bytes) -> list[RequestOutput]:
+def unpacked(data: bytes | list[RequestOutput]) -> list[RequestOutput]:
+    if isinstance(data, list):  # from an engine replica of the previous version (an update)
+        return data
     return [RequestOutput(*row) for row in pickle.loads(data)]
 
 

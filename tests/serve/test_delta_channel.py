@@ -60,6 +60,7 @@ def test_a_packed_batch_unpacks_to_equal_deltas_with_every_field():
         assert getattr(full, f.name) != getattr(defaults, f.name), f.name
     batch = [full, _delta("b", 7)]
     assert unpacked(packed(batch)) == batch
+    assert unpacked(batch) == batch  # as an engine replica of the version before sends it
 
 
 def test_take_ends_only_when_idle_and_nothing_is_open():
