@@ -66,9 +66,15 @@ def ttft_stages(spans_file: Path, timings: list[RequestTiming]) -> dict[str, flo
         at_ingress, at_engine = _event(server, "first_token"), _event(engine, "first_token")
         if prepared is None or at_ingress is None or at_engine is None:
             continue
-        marks = [wall_ns(t.start), server["start_ns"], prepared, engine["start_ns"], at_engine]
-        marks.append(at_ingress)
-        marks.append(wall_ns(t.first_token))
+        marks = [
+            wall_ns(t.start),
+            server["start_ns"],
+            prepared,
+            engine["start_ns"],
+            at_engine,
+            at_ingress,
+            wall_ns(t.first_token),
+        ]
         for name, a, b in zip(STAGES, marks, marks[1:], strict=False):
             stages[name].append((b - a) / 1e6)
     matched = len(stages["engine"])

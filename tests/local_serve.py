@@ -26,9 +26,13 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def deploy_yaml_args() -> dict[str, Any]:
+def deploy_yaml() -> dict[str, Any]:
     with open(REPO / "deploy.yaml") as f:
-        return yaml.safe_load(f)["applications"][0]["args"]
+        return yaml.safe_load(f)
+
+
+def deploy_yaml_args() -> dict[str, Any]:
+    return deploy_yaml()["applications"][0]["args"]
 
 
 def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

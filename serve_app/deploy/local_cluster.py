@@ -9,6 +9,10 @@ from typing import Any
 
 _BIND_ATTEMPTS = 3
 
+# deploy.yaml's top-level logging_config, which `serve run` applies to every app's replicas;
+# serve.run takes it per app (serve.start's covers only the controller and proxies).
+APP_LOGGING_CONFIG = {"enable_access_log": False}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -46,7 +50,7 @@ def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> i
         try:
             serve.start(
                 http_options={"host": "127.0.0.1", "port": port},
-                logging_config={"enable_access_log": False, "log_level": log_level},
+                logging_config=APP_LOGGING_CONFIG | {"log_level": log_level},
             )
         except Exception as exc:  # a RayTaskError wrapping the proxy's bind failure
             if "Failed to bind" not in str(exc) or attempt == _BIND_ATTEMPTS:
@@ -54,11 +58,6 @@ def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> i
             serve.shutdown()
         else:
             return port
-
-
-# deploy.yaml's top-level logging_config, which `serve run` applies to every app's replicas;
-# serve.run takes it per app (serve.start's covers only the controller and proxies).
-APP_LOGGING_CONFIG = {"enable_access_log": False}
 
 
 def run_app(app: Any, name: str, route_prefix: str = "/") -> None:

@@ -178,7 +178,7 @@ class EngineServer:
                 tracing.record_engine_life(span, final, reason, started)
 
     async def subscribe(self, channel: str, replica_id: str | None = None) -> AsyncIterator[bytes]:
-        """The deltas of `channel`'s requests at this replica, one pickled list per engine step;
+        """The deltas of `channel`'s requests at this replica, one `packed` batch per engine step;
         ends once the channel has been idle a while (serve_app.transport.delta_channel).
         `replica_id` is read by the ingress's request router, which sends the call to that
         replica."""

@@ -161,7 +161,7 @@ class Outboxes:
             self._drop(channel, outbox)
 
     async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
-        """`channel`'s deltas, one `packed` list per engine step, until idle a while."""
+        """`channel`'s deltas, one `packed` batch per engine step, until idle a while."""
         outbox = self._boxes.setdefault(channel, Outbox())
         outbox.num_subscribers += 1
         try:

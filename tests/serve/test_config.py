@@ -6,7 +6,7 @@ import pydantic
 import pytest
 
 from serve_app.config import AppArgs
-from tests.local_serve import REPO, deploy_yaml_args
+from tests.local_serve import deploy_yaml, deploy_yaml_args
 
 
 def test_deploy_yaml_args_validate():
@@ -22,12 +22,9 @@ def test_deploy_yaml_args_validate():
 def test_load_tests_log_as_deploy_yaml():
     """Load tests start their apps with deploy.yaml's logging (an access-log line per request
     would be CPU on the path they measure)."""
-    import yaml
-
     from serve_app.deploy.local_cluster import APP_LOGGING_CONFIG
 
-    with open(REPO / "deploy.yaml") as f:
-        assert yaml.safe_load(f)["logging_config"] == APP_LOGGING_CONFIG
+    assert deploy_yaml()["logging_config"] == APP_LOGGING_CONFIG
 
 
 @pytest.mark.parametrize(
