@@ -77,8 +77,6 @@ class OpenAIIngress:
             channels = DeltaChannels(engine, channel_id, self.args.api.max_unsent_tokens)
         self.engine = engine
         self.metrics = IngressMetrics(self.model_name)
-        if channels is not None:
-            self.metrics.watch_channels(channels)
         self.client = EngineClient(
             engine,
             owner,
@@ -87,6 +85,7 @@ class OpenAIIngress:
             self.args.request_timeout_s,
             self.metrics.sequence_resumed,
         )
+        self.metrics.watch_path(self.client)
         tracer = tracing.make_tracer(self.args.tracing, "ingress")
         self.path = RequestPath(
             self.args, self.max_model_len, self.prompts, self.adapters, self.client,

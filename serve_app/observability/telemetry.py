@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from serve_app.transport.delta_channel import DeltaChannels
+from serve_app.transport.engine_client import EngineClient
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -85,31 +85,44 @@ class IngressMetrics:
             self.ttft.labels(m).observe(ttft_s)
         self.e2e.labels(m).observe(e2e_s)
 
-    def watch_channels(self, channels: DeltaChannels) -> None:
-        """Export the delta channels' counts (serve_app/transport/delta_channel.py)."""
-        self.registry.register(_ChannelCollector(channels))
+    def watch_path(self, client: EngineClient) -> None:
+        """Export what the path to the engine replicas counts (serve_app/transport)."""
+        self.registry.register(_PathCollector(client))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _ChannelCollector:
-    """What the streaming path costs per engine step: Ray messages the ingress took (at most
-    one per engine step per engine replica), the deltas in them, and the wake-ups of the
-    responses that read them (at most one per response per step: never one per token)."""
+class _PathCollector:
+    """What the streaming path costs: engine calls sent to a replica's actor directly and
+    through Serve's handle; per engine step, the Ray messages the ingress took (at most one per
+    engine step per engine replica), the deltas in them, and the wake-ups of the responses that
+    read them (at most one per response per step: never one per token)."""
 
-    def __init__(self, channels: DeltaChannels) -> None:
-        self.channels = channels
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
 
     def collect(self):
         counts = {
-            "channel_messages": ("Delta channel messages taken.", self.channels.num_messages),
-            "channel_deltas": ("Request deltas those messages held.", self.channels.num_deltas),
-            "response_wakeups": (
-                "Wake-ups of streamed responses for deltas.",
-                self.channels.num_wakeups,
+            "engine_calls_direct": (
+                "Engine calls sent to the chosen replica's actor directly.",
+                self.client.num_direct_calls,
+            ),
+            "engine_calls_routed": (
+                "Engine calls sent through Serve's handle.",
+                self.client.num_handle_calls,
             ),
         }
+        channels = self.client.channels
+        if channels is not None:
+            counts |= {
+                "channel_messages": ("Delta channel messages taken.", channels.num_messages),
+                "channel_deltas": ("Request deltas those messages held.", channels.num_deltas),
+                "response_wakeups": (
+                    "Wake-ups of streamed responses for deltas.",
+                    channels.num_wakeups,
+                ),
+            }
         for name, (doc, value) in counts.items():
             family = CounterMetricFamily(f"dynabatch_ingress_{name}", doc)
             family.add_metric([], value)

@@ -31,6 +31,7 @@ from engine.core.sampling_params import SamplingParams
 from serve_app.openai.completion_bodies import Choice
 from serve_app.openai.errors import OpenAIError
 from serve_app.transport.delta_channel import ChannelledFirst, DeltaChannels
+from serve_app.transport.direct_calls import DirectCalls
 from serve_app.transport.engine_rejection import EngineRejection
 from serve_app.transport.streaming import Prepared, RequestStream
 
@@ -89,6 +90,9 @@ class EngineClient:
     ) -> None:
         # The method's handle, made once (a handle's attribute makes a new one each time).
         self.generate = engine.options(stream=True).generate
+        self.direct = DirectCalls(self.generate, "generate")
+        self.num_direct_calls = 0  # sends straight to a replica's actor (/metrics)
+        self.num_handle_calls = 0  # sends through Serve's handle
         self.caller = caller
         self.channels = channels
         self.retry_after_s = retry_after_s
@@ -201,19 +205,27 @@ class EngineClient:
         seq.num_sends += 1
         request_id = seq.request_id if seq.num_sends == 1 else f"{seq.request_id}~{seq.num_sends}"
         stream = RequestStream(request_id, self.channels)
+        args = (
+            request_id,
+            seq.prep.prompt_token_ids,
+            seq.params,
+            seq.trace,
+            seq.priority,
+            stream.channel_id,
+        )
+        kwargs = {
+            "replica_id": replica_id,
+            "resume": resume,
+            "caller": None if self.channels is not None else self.caller,
+            "lora": seq.prep.lora,
+        }
         try:
-            stream.call = self.generate.remote(
-                request_id,
-                seq.prep.prompt_token_ids,
-                seq.params,
-                seq.trace,
-                seq.priority,
-                stream.channel_id,
-                replica_id=replica_id,
-                resume=resume,
-                caller=None if self.channels is not None else self.caller,
-                lora=seq.prep.lora,
-            )
+            stream.call = self.direct.send(request_id, *args, **kwargs)
+            if stream.call is not None:
+                self.num_direct_calls += 1
+            else:  # no replica known to have room: Serve's routing waits, probes, backs off
+                stream.call = self.generate.remote(*args, **kwargs)
+                self.num_handle_calls += 1
             first, at = await self._first(stream)
         except BaseException:  # an error answer, or the client left before the first token
             stream.close()

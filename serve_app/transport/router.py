@@ -26,8 +26,8 @@ from __future__ import annotations
 import hashlib
 import random
 from array import array
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from ray.serve._private.common import RequestMetadata  # the type of a public hook's argument
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -75,31 +75,49 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        if pending_request is not None:
-            # Without it Serve retries a request whose replicas are all full (or slow to
-            # answer its queue-length probe) at once and forever, flooding them with probes.
-            pending_request.routing_context.should_backoff = True
-        if not candidate_replicas:
+        if pending_request is None:
+            return self.ranked(candidate_replicas, (), {})
+        # Without it Serve retries a request whose replicas are all full (or slow to answer
+        # its queue-length probe) at once and forever, flooding them with probes.
+        pending_request.routing_context.should_backoff = True
+        return self.ranked(candidate_replicas, pending_request.args, pending_request.kwargs)
+
+    def pick(self, args: Sequence[Any], kwargs: dict[str, Any]) -> RunningReplica | None:
+        """The replica for an `EngineServer.generate` call the ingress sends to the replica's
+        actor itself (serve_app.transport.direct_calls): the first choice among the replicas
+        with room by the queue-length cache, or None when none is known to have room (then
+        the call goes through Serve's routing, which waits, probes and backs off)."""
+        ranks = self.ranked(self.select_available_replicas(), args, kwargs)
+        return ranks[0][0] if ranks else None
+
+    def ranked(
+        self,
+        candidates: list[RunningReplica],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> list[list[RunningReplica]]:
+        """Ranks of `candidates` for a call with these arguments, the preferred first."""
+        if not candidates:
             return []
-        target = pending_request.kwargs.get("replica_id") if pending_request else None
+        target = kwargs.get("replica_id")
         if target is not None:
-            pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            pinned = [r for r in candidates if r.replica_id.unique_id == target]
             # Not (or no longer) one of ours: any replica answers that it is not the one
             # asked for, and the caller decides. (An empty answer would keep one of Serve's
             # routing tasks on this request for good; with a replica gone, those it has
             # left, two per replica, could all be stuck so, and nothing would be routed.)
-            return [pinned or candidate_replicas]
+            return [pinned or candidates]
         # Shuffle first so equally loaded replicas share the work.
-        ranked = random.sample(candidate_replicas, len(candidate_replicas))
+        ranked = random.sample(candidates, len(candidates))
         ranked.sort(key=self.replica_load)
-        lora = pending_request.kwargs.get("lora") if pending_request else None
+        lora = kwargs.get("lora")
         if lora is not None and len(ranked) > 1:
             ranks = adapter_first(
                 ranked, _held_adapters, self.replica_load, lora[0], self.max_imbalance
             )
             if ranks is not None:
                 return ranks
-        prompt = _prompt_of(pending_request)
+        prompt = _prompt_of(args)
         if self.prefix_affinity and prompt and len(ranked) > 1:
             by_id = {r.replica_id.unique_id: r for r in ranked}
             preferred = by_id[
@@ -131,9 +149,7 @@ def _held_adapters(replica: RunningReplica) -> list[str]:
     return (replica.routing_stats or {}).get("loras", [])
 
 
-def _prompt_of(pending_request: PendingRequest | None) -> list[int] | None:
+def _prompt_of(args: Sequence[Any]) -> list[int] | None:
     """EngineServer.generate(request_id, prompt_token_ids, params): the token ids, if any."""
-    if pending_request is None or len(pending_request.args) < 2:
-        return None
-    prompt = pending_request.args[1]
+    prompt = args[1] if len(args) >= 2 else None
     return prompt if isinstance(prompt, list) else None

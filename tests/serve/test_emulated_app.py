@@ -18,7 +18,7 @@ MAX_TOKENS = 96
 
 
 def _ingress_counts(cluster) -> dict[str, float]:
-    """The ingress's delta channel counters (its /metrics)."""
+    """The ingress's counters of its path to the engine replicas (its /metrics)."""
     text = httpx.get(f"{cluster.base_url}/{APP}/metrics", timeout=10).text
     counts = {}
     for line in text.splitlines():
@@ -81,6 +81,10 @@ def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_st
     assert all(said == expected and tokens == MAX_TOKENS for said, tokens in results)
     tokens = STREAMS * MAX_TOKENS
     print(f"{tokens} tokens: ingress {ingress}, engine replicas {engine}")
+    # Each request went once to an engine replica, nearly all straight to its actor (Serve's
+    # handle only while its router knows of no replica with room).
+    assert ingress["engine_calls_direct"] + ingress["engine_calls_routed"] == STREAMS, ingress
+    assert ingress["engine_calls_direct"] >= STREAMS * 3 // 4, ingress
     assert ingress["channel_messages"] <= engine["num_steps_total"], (ingress, engine)
     assert ingress["channel_deltas"] == engine["channel_deltas_total"], (ingress, engine)
     assert ingress["response_wakeups"] <= ingress["channel_deltas"], ingress
