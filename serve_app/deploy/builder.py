@@ -55,6 +55,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     cpus = RayCpus.found()
     engine_share = engine_cpus(app_args, cpus)
     actor_options, placement = _engine_placement(app_args, engine_share)
+    # The replica's handles (to the controller and the metrics board) route on its own loop:
+    # a router thread of their own would wake for nothing most of the time, beside the engine.
+    engine_env = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
     if app_args.autoscaling is not None:
         fit = engine_replicas_that_fit(app_args, engine_share, cpus)
@@ -63,13 +66,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit),
         }
         # The replica reads its metrics push period from the environment at import.
-        actor_options["runtime_env"] = {
-            "env_vars": {
-                "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(
-                    app_args.autoscaling.metrics_interval_s
-                )
-            }
-        }
+        engine_env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(
+            app_args.autoscaling.metrics_interval_s
+        )
+    actor_options["runtime_env"] = {"env_vars": engine_env}
     engine = EngineServer.options(
         **scaling,
         max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
