@@ -1,15 +1,15 @@
 """DirectCalls: an engine call sent to the chosen engine replica's actor by the ingress itself.
 
 Through Serve's handle a request costs the ingress about twice the CPU of a plain actor call
-and twice its latency (reports/notebook.md): the handle's request metadata and counters, a
-routing task and its future, the replica's extra stream item that says it accepted, the
-handle's own autoscaling metrics. Here the same router instance Serve runs for the handle
-(serve_app.transport.router.LoadAwareRouter, with Serve's list of running replicas and its
-queue-length cache) picks the replica, and the call goes to the replica's Serve entry point
-(`handle_request_streaming`) as Serve's own router sends it, so the replica counts, limits and
-cancels it as any other. What the handle does beside that is done here as Serve does it: the
-queue-length cache counts the call while it runs, and a replica whose actor died is dropped from
-the router's list at once.
+(reports/notebook.md): the handle's request metadata and counters, a routing task and its
+future, the replica's extra stream item that says it accepted, the handle's own autoscaling
+metrics (our autoscaling reads the replicas' own). Here the same router instance Serve runs
+for the handle (serve_app.transport.router.LoadAwareRouter, with Serve's list of running
+replicas and its queue-length cache) picks the replica, and the call goes to the replica's
+Serve entry point (`handle_request_streaming`) as Serve's own router sends it, so the replica
+counts, limits and cancels it as any other. What the handle does beside that is done here as
+Serve does it: the queue-length cache counts the call while it runs, and a replica whose actor
+died is dropped from the router's list at once.
 
 Only the easy case goes direct: a replica known to have room. While Serve's router has no
 replicas yet, or none with room by its cache, `send` returns None and the caller uses the
