@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 _ROUTER_SLACK = 16
 # The ingress is async and light: let it hold every request its engines could.
 _INGRESS_MAX_ONGOING = 4096
+# Serve's count of ongoing requests (its autoscaling context, its logs and dashboard) taken at
+# the replicas: the ingress sends most engine calls to a replica's actor itself, past the
+# handle that would otherwise count them. Both sides read it.
+_REQUESTS_COUNTED_AT_REPLICAS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
@@ -57,7 +61,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     actor_options, placement = _engine_placement(app_args, engine_share)
     # The replica's handles (to the controller and the metrics board) route on its own loop:
     # a router thread of their own would wake for nothing most of the time, beside the engine.
-    engine_env = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+    # Serve counts a replica's ongoing requests where they run, not at the ingress's handle,
+    # which most calls bypass (serve_app/transport/direct_calls.py).
+    engine_env = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"} | _REQUESTS_COUNTED_AT_REPLICAS
     scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
     if app_args.autoscaling is not None:
         fit = engine_replicas_that_fit(app_args, engine_share, cpus)
@@ -106,6 +112,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
                 }
+                | _REQUESTS_COUNTED_AT_REPLICAS
             },
         },
     ).bind(engine, plain, controller, board, lora_board, store)
