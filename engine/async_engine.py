@@ -1,4 +1,4 @@
-"""asyncio front of the engine: one background loop steps the engine in a worker thread.
+"""asyncio front of the engine: a step loop in one worker thread steps the engine back to back.
 
 One thread runs every torch op of the engine: on the CPU, libgomp gives each thread that
 enters a parallel region a team of its own, and once the teams' threads outnumber the cores it
@@ -11,12 +11,11 @@ in a thread that ends with it, its team with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
@@ -34,10 +33,14 @@ T = TypeVar("T")
 class AsyncLLMEngine:
     """`async for out in engine.generate(...)` yields per-step deltas of one request.
 
-    The engine is touched only between steps, from the event loop thread, and each step runs
-    in a single worker thread, so the event loop is never blocked by a forward pass.
-    Leaving the `async for` early (break, cancellation, client disconnect) aborts the request
-    and frees its blocks before the next step.
+    One worker thread steps the engine back to back (the step loop) and is the only thread
+    that changes it: requests to add and abort reach it through a locked inbox, read before
+    each step, and each step's outputs go to the event loop in one callback. The step loop
+    never waits for the event loop: the streams' consumers (SSE, delta channels, metrics) run
+    while the next step does, instead of between steps, where on a GPU they would leave the
+    device idle once they and the step's own host work outlast a step. Leaving the
+    `async for` early (break, cancellation, client disconnect) aborts the request and frees its
+    blocks before the step after next.
     """
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
@@ -45,10 +48,15 @@ class AsyncLLMEngine:
         built it)."""
         self.engine = engine
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # The inbox: written on the event loop, taken by the step loop before each step.
+        self._inbox = threading.Lock()
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._work = threading.Event()  # set when the inbox has something
+        self._closing = False
+        self._parked = False  # the step loop returned idle; the next request starts it again
+        self._stepping: Future[None] | None = None  # the step loop, running in the executor
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # where outputs go
         self._executor = executor or _step_executor()
         # Wall time inside engine.step(): against elapsed time it says how busy the engine is.
         self.step_seconds_total = 0.0
@@ -83,7 +91,8 @@ class AsyncLLMEngine:
         request = await in_passing_thread(make) if slow else make()
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._pending_adds.append(request)
+        with self._inbox:
+            self._pending_adds.append(request)
         self._kick()
         finished = False
         try:
@@ -99,11 +108,14 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._pending_aborts.append(request_id)
-                self._kick()
+                self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._pending_aborts.append(request_id)
+        self._abort_soon(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        with self._inbox:
+            self._pending_aborts.append(request_id)
         self._kick()
 
     @property
@@ -113,11 +125,11 @@ class AsyncLLMEngine:
 
     @property
     def loop_error(self) -> BaseException | None:
-        """The exception that ended the background loop, if it died (health checks)."""
-        task = self._loop_task
-        if task is None or not task.done() or task.cancelled():
+        """The exception that ended the step loop, if it died (health checks)."""
+        stepping = self._stepping
+        if stepping is None or not stepping.done() or stepping.cancelled():
             return None
-        return task.exception()
+        return stepping.exception()
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until nothing is queued or running (for tests and graceful shutdown)."""
@@ -128,12 +140,9 @@ class AsyncLLMEngine:
             await asyncio.sleep(0.01)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
-        self._executor.shutdown(wait=True)
+        self._closing = True
+        self._work.set()
+        self._executor.shutdown(wait=True)  # the step loop ends after the step it is in
         self.engine.close()
 
     # ------------------------------------------------------------------------ the loop
@@ -153,50 +162,74 @@ class AsyncLLMEngine:
         return 0.0 if started is None else time.monotonic() - started
 
     def _kick(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        self._wakeup.set()
+        """Wake the step loop, or start it (the first time, after it parked, or if it died)."""
+        self._event_loop = asyncio.get_running_loop()
+        with self._inbox:
+            if self._stepping is None or self._stepping.done() or self._parked:
+                self._parked = False
+                self._stepping = self._executor.submit(self._step_loop)
+        self._work.set()
+
+    def _step_loop(self) -> None:
+        """The engine's thread: the inbox, then a step, for as long as there is work. Idle a
+        while, it parks (returns): the executor's thread is then free to end with the process."""
+        while not self._closing:
+            self._work.clear()  # before the inbox is read: an add after this sets it again
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                if not self._work.wait(_PARK_AFTER_IDLE_S):
+                    with self._inbox:
+                        if not (self._pending_adds or self._pending_aborts):
+                            self._parked = True
+                            return
+                continue
+            try:
+                outputs = self._timed_step()
+            except Exception as exc:  # the engine itself broke: fail every request it holds
+                logger.exception("engine step raised")
+                self.engine.num_failed_steps_in_a_row += 1
+                self._post(self._fail, self.engine.abort_all(), exc)
+                continue
+            if outputs:
+                self._post(self._deliver, outputs)
 
     def _apply_pending(self) -> None:
-        adds, self._pending_adds = self._pending_adds, []
+        with self._inbox:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
         for request in adds:
-            if request.request_id in self._pending_aborts:
+            if request.request_id in aborts:
                 continue  # cancelled before it was ever queued
             try:
                 self.engine.add_prepared(request)
             except ValueError as exc:
-                stream = self._streams.get(request.request_id)
-                if stream is not None:
-                    stream.put_nowait(exc)
-        aborts, self._pending_aborts = self._pending_aborts, []
+                self._post(self._fail, [request.request_id], exc)
         if aborts:
             self.engine.abort(aborts)
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                if not (self._pending_adds or self._pending_aborts):
-                    await self._wakeup.wait()
-                continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, self._timed_step)
-            except Exception as exc:  # the engine itself broke: fail every open stream
-                logger.exception("engine step raised")
-                self.engine.num_failed_steps_in_a_row += 1
-                for stream in self._streams.values():
-                    stream.put_nowait(exc)
-                self.engine.abort(list(self._streams))
-                continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put_nowait(out)
-            await asyncio.sleep(0)  # let consumers run before the next step
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        """`callback(*args)` on the event loop (from the step loop)."""
+        loop = self._event_loop
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # that loop has closed: nobody listens to these requests
+            self.engine.abort_all()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(exc)
+
+
+_PARK_AFTER_IDLE_S = 1.0
 
 
 def _step_executor() -> ThreadPoolExecutor:

@@ -180,6 +180,12 @@ class LLMEngine:
         for rid in ids:
             self.outputs.drop(rid)
 
+    def abort_all(self) -> list[str]:
+        """Abort every request held; returns their ids."""
+        ids = list(self.scheduler.requests)
+        self.abort(ids)
+        return ids
+
     def close(self) -> None:
         """Release what the runner holds beyond this process (tensor-parallel ranks)."""
         getattr(self.runner, "close", lambda: None)()
