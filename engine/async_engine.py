@@ -33,14 +33,16 @@ T = TypeVar("T")
 class AsyncLLMEngine:
     """`async for out in engine.generate(...)` yields per-step deltas of one request.
 
-    One worker thread steps the engine back to back (the step loop) and is the only thread
-    that changes it: requests to add and abort reach it through a locked inbox, read before
-    each step, and each step's outputs go to the event loop in one callback. The step loop
-    never waits for the event loop: the streams' consumers (SSE, delta channels, metrics) run
-    while the next step does, instead of between steps, where on a GPU they would leave the
-    device idle once they and the step's own host work outlast a step. Leaving the
-    `async for` early (break, cancellation, client disconnect) aborts the request and frees its
-    blocks before the step after next.
+    One worker thread steps the engine (the step loop) and is the only thread that changes
+    it: requests to add and abort reach it through a locked inbox, read before each step, and
+    each step's outputs go to the event loop in one callback. On a GPU (or emulated one) the
+    step loop never waits for the event loop: the streams' consumers (SSE, delta channels,
+    metrics) run while the next step does, instead of between steps, where they would leave
+    the device idle once they and the step's own host work outlast a step. On the CPU the
+    step's threads use every core and consumers beside them slow it by more than they take,
+    so there the next step waits for the event loop to have run the last one's consumers
+    (`lockstep`). Leaving the `async for` early (break, cancellation, client disconnect) aborts
+    the request and frees its blocks within two steps.
     """
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
@@ -57,6 +59,8 @@ class AsyncLLMEngine:
         self._parked = False  # the step loop returned idle; the next request starts it again
         self._stepping: Future[None] | None = None  # the step loop, running in the executor
         self._event_loop: asyncio.AbstractEventLoop | None = None  # where outputs go
+        self.lockstep = engine.config.device == "cpu"
+        self._consumed = threading.Event()  # lockstep: the last step's consumers have run
         self._executor = executor or _step_executor()
         # Wall time inside engine.step(): against elapsed time it says how busy the engine is.
         self.step_seconds_total = 0.0
@@ -142,6 +146,7 @@ class AsyncLLMEngine:
     async def shutdown(self) -> None:
         self._closing = True
         self._work.set()
+        self._consumed.set()
         self._executor.shutdown(wait=True)  # the step loop ends after the step it is in
         self.engine.close()
 
@@ -190,8 +195,14 @@ class AsyncLLMEngine:
                 self.engine.num_failed_steps_in_a_row += 1
                 self._post(self._fail, self.engine.abort_all(), exc)
                 continue
-            if outputs:
-                self._post(self._deliver, outputs)
+            if outputs and self._post(self._deliver, outputs) and self.lockstep:
+                self._wait_for_consumers()
+
+    def _wait_for_consumers(self) -> None:
+        loop = self._event_loop
+        while not self._consumed.wait(0.05):
+            if self._closing or loop is None or loop.is_closed():
+                return  # a closed loop drops the callback that would have said so
 
     def _apply_pending(self) -> None:
         with self._inbox:
@@ -207,20 +218,25 @@ class AsyncLLMEngine:
         if aborts:
             self.engine.abort(aborts)
 
-    def _post(self, callback: Callable[..., None], *args: object) -> None:
-        """`callback(*args)` on the event loop (from the step loop)."""
+    def _post(self, callback: Callable[..., None], *args: object) -> bool:
+        """`callback(*args)` on the event loop (from the step loop); False if it has closed."""
         loop = self._event_loop
         try:
             if loop is not None:
+                self._consumed.clear()
                 loop.call_soon_threadsafe(callback, *args)
+                return True
         except RuntimeError:  # that loop has closed: nobody listens to these requests
             self.engine.abort_all()
+        return False
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
+        # After the consumers these outputs woke (their turns are queued before this one).
+        asyncio.get_running_loop().call_soon(self._consumed.set)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:

@@ -131,6 +131,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model's step times on the wall clock (docs/emulated-replica.md), the serving path at "
         "a GPU's token rate",
     )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="engine.device (default: the engine's own, cpu): cuda puts the engine replica, "
+        "and the in-process engine beside it, on this node's GPU (both at once: --kv-cache-gb "
+        "each)",
+    )
+    parser.add_argument("--dtype", default=None, help="engine.dtype, e.g. bfloat16 on a GPU")
     parser.add_argument("--ingress-replicas", type=int, default=1)
     parser.add_argument(
         "--chat", action="store_true", help="streamed chat completions instead of completions"
@@ -152,10 +160,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spans = None
     if opts.trace:
         spans = Path(tempfile.mkdtemp(prefix="bench_serve_")) / "spans.jsonl"
-    emulate = {}
+    device: dict[str, Any] = {"device": opts.device} if opts.device else {}
     if opts.emulate:
         name, _, gpu = opts.emulate.partition("@")
-        emulate = {"device": "emulated", "emulate": {"model": name, "gpu": gpu or "H100-80GB"}}
+        device = {"device": "emulated", "emulate": {"model": name, "gpu": gpu or "H100-80GB"}}
+    if opts.dtype:
+        device["dtype"] = opts.dtype
     args = AppArgs.model_validate(
         {
             "model": model_dir,
@@ -172,9 +182,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # Rounds repeat the same prompts: a warm prefix cache would flatter every
                 # round after the first (the workload itself shares no prefixes).
                 "enable_prefix_caching": False,
-                **emulate,
+                **device,
             },
-            "engine_replicas": {"num_replicas": 1, "num_cpus": 0 if emulate else 1},
+            "engine_replicas": {
+                "num_replicas": 1,
+                "num_cpus": 0 if opts.emulate else 1,
+                "num_gpus": 1 if opts.device == "cuda" else 0,
+            },
             "ingress_replicas": {"num_replicas": opts.ingress_replicas, "num_cpus": 0.5},
             "tracing": {"exporter": "file", "file_path": str(spans)} if spans else {},
         }
@@ -197,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": opts.model,
         "emulate": opts.emulate,
+        "device": opts.device,
+        "dtype": opts.dtype,
         "ingress_replicas": opts.ingress_replicas,
         "num_requests": len(items),
         "concurrency": opts.concurrency,

@@ -12,6 +12,9 @@
 #                                       # small model and 8B-shaped checkpoint
 #   bash tests/gpu/on_device.sh lora    # LoRA adapters: CUDA tests, tokens/s over 1, 4 and 16
 #                                       # adapters against the base, small model
+#   bash tests/gpu/on_device.sh serving # the serving path over the 8B-shaped engine against
+#                                       # the same engine in process: one chat user stage by
+#                                       # stage, 64 streams, and the emulated replica beside it
 # That machine's image holds torch, triton, transformers, pytest and pytest-xdist: the
 # checkout runs from PYTHONPATH. What it lacks (xgrammar) travels as wheels: run
 # `bash tests/gpu/device_wheels.sh` here once and name `.whl` in `carry`; they are installed
@@ -115,5 +118,20 @@ case ${1:-} in
         step lora-small 400 "$PY" -m loadtests.bench_lora --model small --device "$DEVICE" \
             --dtype "$DTYPE" --repeat 2 --json
         ;;
-    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora" >&2 && exit 2 ;;
+    serving)
+        # The headline's checkpoint (a tokenizer with it), made here unless that ran first.
+        checkpoint=/dev/shm/dynabatch-llama3-8b
+        [ -f "$checkpoint/config.json" ] || step checkpoint-8b 120 "$PY" -m \
+            loadtests.headline.checkpoint_step --model "$checkpoint" --device "$DEVICE" \
+            --dtype "$DTYPE" --out "$OUT/checkpoint.json"
+        common=(--model "$checkpoint" --device "$DEVICE" --dtype "$DTYPE" --kv-cache-gb 8 --json)
+        step serving-one 150 "$PY" -m loadtests.bench_serve "${common[@]}" --concurrency 1 \
+            --workload random-128-64-16 --chat --trace --repeat 2
+        step serving-64 180 "$PY" -m loadtests.bench_serve "${common[@]}" --concurrency 64 \
+            --workload random-256-128-512 --chat
+        step serving-emulated-64 100 "$PY" -m loadtests.bench_serve --model tiny \
+            --emulate Llama-3.1-8B@H100-80GB --concurrency 64 --workload random-256-128-512 \
+            --chat --json
+        ;;
+    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving" >&2 && exit 2 ;;
 esac
