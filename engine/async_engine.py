@@ -1,4 +1,4 @@
-"""asyncio front of the engine: a step loop in one worker thread steps the engine back to back.
+"""asyncio front of the engine: a step loop in one worker thread steps the engine.
 
 One thread runs every torch op of the engine: on the CPU, libgomp gives each thread that
 enters a parallel region a team of its own, and once the teams' threads outnumber the cores it
