@@ -195,7 +195,10 @@ class AsyncLLMEngine:
                 self.engine.num_failed_steps_in_a_row += 1
                 self._post(self._fail, self.engine.abort_all(), exc)
                 continue
-            if outputs and self._post(self._deliver, outputs) and self.lockstep:
+            if not outputs:
+                continue
+            self._consumed.clear()
+            if self._post(self._deliver, outputs, self.lockstep) and self.lockstep:
                 self._wait_for_consumers()
 
     def _wait_for_consumers(self) -> None:
@@ -223,20 +226,19 @@ class AsyncLLMEngine:
         loop = self._event_loop
         try:
             if loop is not None:
-                self._consumed.clear()
                 loop.call_soon_threadsafe(callback, *args)
                 return True
         except RuntimeError:  # that loop has closed: nobody listens to these requests
             self.engine.abort_all()
         return False
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], lockstep: bool) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
-        # After the consumers these outputs woke (their turns are queued before this one).
-        asyncio.get_running_loop().call_soon(self._consumed.set)
+        if lockstep:  # said after the consumers these outputs woke (queued before it)
+            asyncio.get_running_loop().call_soon(self._consumed.set)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:
