@@ -45,7 +45,12 @@ class LLMEngine:
         clock: Clock | None = None,
     ) -> None:
         from engine.model.loader import check_model_dir, read_spec
+        from engine.model.model_source import local_checkpoint
 
+        local = local_checkpoint(
+            config.model, "model", config.revision, config.object_store_endpoint_url
+        )
+        config = replace(config, model=local)
         check_model_dir(config.model)
         if tokenizer is None:
             from transformers import AutoTokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.engine_args import EngineArgs
 from serve_app.ingress.api_policy import ApiArgs
@@ -185,9 +185,16 @@ class EngineReplicaArgs(ReplicaArgs):
 class AppArgs(_Strict):
     """Everything `serve_app:build_app` needs; deploy.yaml's `args:`."""
 
-    model: str = Field(description="Local HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3).")
+    model: str = Field(
+        description="The checkpoint (Llama/Mistral/Qwen2/Qwen3): a local HF checkpoint directory "
+        "(the same path on every node), a Hugging Face Hub id (org/name; engine.revision picks "
+        "the revision), or an object-store URI (s3://bucket/prefix/, gs://...). Each node "
+        "fetches it once into its cache: docs/models.md."
+    )
     served_model_name: str | None = Field(
-        None, description="Model id clients send in `model`. Null: the directory's name."
+        None,
+        description="Model id clients send in `model`. Null: a Hub id as it is, else the "
+        "directory's (or the prefix's) last name.",
     )
     engine: EngineArgs = Field(default_factory=EngineArgs, description="Engine settings.")
     batching: BatchingArgs = Field(
@@ -272,11 +279,33 @@ class AppArgs(_Strict):
                 raise ValueError("autoscaling.initial_replicas must be within min and max")
         return self
 
+    @field_validator("model")
+    @classmethod
+    def _known_source(cls, model: str) -> str:
+        from engine.model.model_source import source_kind
+
+        source_kind(model)  # an unknown scheme fails the deploy, not the replicas
+        return model
+
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return self.model.rstrip("/").rsplit("/", 1)[-1]
+        from engine.model.model_source import served_name
+
+        return served_name(self.model)
+
+    def with_local_model(self) -> AppArgs:
+        """These args with `model` the checkpoint's directory on this node, fetched into its
+        cache first where `model` is a Hub id or a bucket URI (once per node); the served
+        name stays the source's. Raises InvalidParam naming `model` with the cause."""
+        from engine.model.model_source import local_checkpoint
+
+        engine = self.engine
+        local = local_checkpoint(
+            self.model, "model", engine.revision, engine.object_store_endpoint_url
+        )
+        return self.model_copy(update={"model": local, "served_model_name": self.model_name})
 
     def emulated_label(self) -> str | None:
         """engine.device emulated: the model and GPU its replicas emulate ("Llama-3.1-8B on

@@ -5,7 +5,8 @@ speculation on, drafting whenever it finds drafts (outputs are unchanged by it, 
 test of this app also proves that).
 `narrow` (route /narrow): 1 engine replica that holds 4 requests (2 running + 2 queued), for
 overload and disconnect tests where one replica's stats must tell the whole story; it does
-not speculate.
+not speculate. Its model is a Hub id, `acme/tiny` (the same tiny checkpoint, served by
+tests/hub_server.py on loopback: its ingress and engine replica fetch it as from the Hub).
 `emulated` (route /emulated, the `emulated_app` fixture: only for the modules that use it):
 2 emulated engine replicas (an 8B model on an H100 at the cost model's step times,
 docs/emulated-replica.md) behind 1 ingress: the serving path at a GPU's token rate, with
@@ -14,6 +15,8 @@ ngram speculation drafting whenever it finds drafts.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,11 +108,15 @@ EMULATED = {
 }
 
 
+HUB_MODEL = "acme/tiny"  # the `narrow` app's model
+
+
 @dataclass
 class ServeCluster:
     base_url: str  # http://127.0.0.1:PORT
     model: str
     args: dict[str, Any]
+    hub: Any = None  # tests/hub_server.py's HubServer, which serves the `narrow` app's model
 
     def v1(self, app: str = "") -> str:
         return f"{self.base_url}{'/' + app if app else ''}/v1"
@@ -140,12 +147,17 @@ def serve_cluster() -> Iterator[ServeCluster]:
     from serve_app import build_app
     from serve_app.deploy.local_cluster import start_local_serve, stop_local_serve
     from tests.conftest import tiny_model_dir  # tests/conftest.py imports this module
+    from tests.hub_server import HubRepo, HubServer
 
     model = tiny_model_dir("llama")
+    hub = HubServer({HUB_MODEL: HubRepo({"main": Path(model)})}).start()
+    # Ray's processes start with this environment: the replicas download from `hub`.
+    os.environ["HF_ENDPOINT"] = hub.endpoint
+    os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="hf-hub-cache-")
     try:
         port = start_local_serve()
         args = app_args(model)
-        narrow = build_app(app_args(model, **NARROW))
+        narrow = build_app({**app_args(model, **NARROW), "model": HUB_MODEL})
         serve.run_many(  # the apps start together
             [
                 RunTarget(target=build_app(args), name="llm", route_prefix="/"),
@@ -153,9 +165,10 @@ def serve_cluster() -> Iterator[ServeCluster]:
             ]
         )
         _wait_ready(f"http://127.0.0.1:{port}")
-        yield ServeCluster(f"http://127.0.0.1:{port}", model, args)
+        yield ServeCluster(f"http://127.0.0.1:{port}", model, args, hub)
     finally:
         stop_local_serve()
+        hub.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "torch", "triton", "flashinfer"]
 OnlineQuantization = Literal["fp8"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
+GenerationConfigMode = Literal["auto", "none"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -240,10 +241,19 @@ class EmulateConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything needed to build an LLMEngine over a local HF checkpoint directory."""
+    """Everything needed to build an LLMEngine over a checkpoint."""
 
     model: str = field(
-        metadata={"doc": "Local HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3)."}
+        metadata={
+            "doc": "The checkpoint (Llama/Mistral/Qwen2/Qwen3): a local HF checkpoint "
+            "directory, a Hugging Face Hub id (org/name, fetched into the node's HF cache), or "
+            "an object-store URI (s3://bucket/prefix/, gs://...; copied into a local cache). "
+            "docs/models.md."
+        }
+    )
+    revision: str | None = knob(None, "Hub ids: the branch, tag or commit to serve. Null: main.")
+    object_store_endpoint_url: str | None = knob(
+        None, "s3:// models: the endpoint of an S3-compatible store. Null: AWS's."
     )
     dtype: Dtype = knob("float32", "Weight and activation dtype.")
     device: str = knob(
@@ -295,6 +305,13 @@ class EngineConfig:
         "torch intra-op threads of the engine (and of its CPU kernels). Null: on the CPU, "
         "every core the process may run on (logged at start); on a GPU, torch's default.",
     )
+    generation_config: GenerationConfigMode = knob(
+        "auto",
+        "auto: a request that leaves out temperature, top_p, top_k, min_p, "
+        "repetition_penalty or max_tokens samples with the checkpoint's generation_config.json "
+        "values for them (max_new_tokens for max_tokens), as vLLM does; shown in /v1/models. "
+        "none: the API's own defaults.",
+    )
     tensor_parallel_size: int = knob(
         1,
         "Devices one engine replica spans (one node): each holds 1/N of every layer's heads "
@@ -311,6 +328,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, Dtype)
         _one_of("attention_backend", self.attention_backend, AttentionBackendName)
+        _one_of("generation_config", self.generation_config, GenerationConfigMode)
         _check(self.quantization in (None, "fp8"), "quantization", "fp8 or null", self.quantization)
         _check(
             self.num_threads is None or self.num_threads >= 1,

@@ -60,7 +60,8 @@ class OpenAIIngress:
         lora_board: DeploymentHandle | None = None,
         response_store: DeploymentHandle | None = None,
     ) -> None:
-        self.args = AppArgs.model_validate(args)
+        declared = AppArgs.model_validate(args)
+        self.args = declared.with_local_model()
         self.model_name = self.args.model_name
         # The engines resolve `auto` the same way, from the same config.json.
         spec = read_spec(self.args.model)
@@ -101,12 +102,19 @@ class OpenAIIngress:
             self.max_model_len,
             self.prompts,
             self.args.api,
-            self.args.model,
+            declared.model,
             oai.now(),
             self.args.api.keys(),
             self.adapters,
             self.args.emulated_label(),
+            self.path.defaults,
         )
+        if self.path.defaults:
+            logger.info(
+                "%s: requests leaving these out sample with its generation_config.json's: %s",
+                self.model_name,
+                self.path.defaults,
+            )
 
     # ---------------------------------------------------------------------- its routes
     # The class's own routes: Serve freezes a copy of `app` when it decorates the class, and

@@ -32,6 +32,8 @@ class EdgeState:
     api_keys: frozenset[str] = frozenset()
     adapters: AdapterNames | None = None  # LoRA adapters, listed as models of their own
     emulated: str | None = None  # engine.device emulated: what its replicas emulate
+    # engine.generation_config auto: the checkpoint's defaults of fields a request leaves out
+    generation_defaults: dict[str, float | int] | None = None
 
     def card(self) -> dict[str, Any]:
         card = {
@@ -42,6 +44,8 @@ class EdgeState:
             "root": self.root,
             "max_model_len": self.max_model_len,
         }
+        if self.generation_defaults:
+            card["generation_defaults"] = self.generation_defaults
         if self.emulated is not None:  # never mistaken for the model
             card["emulated"] = f"{self.emulated}: no model, a fixed text at its step times"
         return card

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -25,6 +27,8 @@ class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
+
+_NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})
 
 # Neutral values of fields accepted for what they would change: anything else is answered
 # 400, naming the field, until it is supported.
@@ -107,16 +111,26 @@ class _SamplingFields(_Body):
             names |= {f"messages.{n}" for n in message.model_extra or {}}
         return sorted(names)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, float | int] = _NO_DEFAULTS
+    ) -> SamplingParams:
+        """`defaults`: the model's values (engine/model/generation_defaults.py) of the
+        fields this body leaves out."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+        def value(name: str) -> Any:
+            if name in defaults and name not in self.model_fields_set:
+                return defaults[name]
+            return getattr(self, name)
+
         return SamplingParams(
-            temperature=self.temperature,
-            top_k=max(self.top_k, 0),
-            top_p=self.top_p,
-            min_p=self.min_p,
+            temperature=value("temperature"),
+            top_k=max(value("top_k"), 0),
+            top_p=value("top_p"),
+            min_p=value("min_p"),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty"),
             logit_bias=dict(self.logit_bias or {}),
             logprobs=self.requested_logprobs(),
             seed=self.seed,

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.core.errors import InvalidParam
 from engine.core.outputs import RequestOutput
+from engine.model.generation_defaults import generation_defaults
 from serve_app.config import AppArgs
 from serve_app.ingress.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.ingress.lora_names import AdapterNames
@@ -47,6 +48,8 @@ class RequestPath:
         self.metrics = metrics
         self.tracer = tracer
         self.ignored = IgnoredFields()
+        # What a request that leaves a sampling field out gets: the checkpoint's values.
+        self.defaults = generation_defaults(args.model, args.engine.generation_config)
 
     def span(
         self, path: str, model: str, stream: bool
@@ -90,16 +93,21 @@ class RequestPath:
             else:
                 prompt = body.single_prompt()
                 prompt_ids = self.prompts.completion(prompt)
-                requested = body.max_tokens if body.max_tokens is not None else 16
+                requested = body.max_tokens
             if not prompt_ids:
                 raise InvalidParam("prompt", "prompt: must not be empty")
             room = self.max_model_len - len(prompt_ids)
-            max_tokens = requested if requested is not None else room
+            if requested is not None:
+                max_tokens = requested
+            elif "max_tokens" in self.defaults:  # the model's, within the context
+                max_tokens = min(int(self.defaults["max_tokens"]), room)
+            else:  # OpenAI's: 16 for a completion, a chat's all the room left
+                max_tokens = room if endpoint == "chat" else 16
             if max_tokens > room or room < 1:
                 param = "messages" if endpoint == "chat" else "prompt"
                 counts = (len(prompt_ids), max(max_tokens, 1))
                 raise OpenAIError.too_long(param, self.max_model_len, *counts)
-            params = body.sampling_params(max_tokens)
+            params = body.sampling_params(max_tokens, self.defaults)
             if planned is not None:
                 hold_to_tools(params, *planned, body.parallel_tool_calls is not False)
         except InvalidParam as exc:

@@ -47,7 +47,7 @@ class EngineServer:
         from engine.async_engine import AsyncLLMEngine
         from engine.llm_engine import LLMEngine
 
-        self.args = AppArgs.model_validate(args)
+        self.args = AppArgs.model_validate(args).with_local_model()
         self.capacity = self.args.replica_capacity
         config = self.args.engine.engine_config(self.args.model)
         start = config.scheduler.limits()

@@ -71,3 +71,13 @@ def test_tensor_parallel_replicas_take_one_gpu_per_rank():
     args["engine"]["tensor_parallel_size"] = 0
     with pytest.raises(pydantic.ValidationError, match="tensor_parallel_size must be >= 1"):
         AppArgs.model_validate(args)
+
+
+def test_the_model_source_is_validated_and_a_hub_model_named_by_its_id(tiny_model: str):
+    assert AppArgs(model="Qwen/Qwen3-8B").model_name == "Qwen/Qwen3-8B"  # as vLLM names it
+    assert AppArgs(model="s3://bucket/llama-8b/").model_name == "llama-8b"
+    local = AppArgs(model=tiny_model)
+    assert local.model_name == "tiny"
+    assert local.with_local_model() == local.model_copy(update={"served_model_name": "tiny"})
+    with pytest.raises(pydantic.ValidationError, match="unknown scheme 'ftp'"):
+        AppArgs(model="ftp://host/model")

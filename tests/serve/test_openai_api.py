@@ -78,6 +78,27 @@ def test_completions_equal_in_process_engine(client, reference_engine):
         assert res.usage.total_tokens == n_prompt + 24
 
 
+def test_an_app_serves_a_hub_id_downloaded_once_per_node(serve_cluster, reference_engine):
+    """The `narrow` app's model is `acme/tiny` on tests/hub_server.py: its ingress (tokenizer,
+    chat template) and its engine replica (weights) each resolved it on this node, and the
+    node downloaded each file once; it answers as the same checkpoint does in process."""
+    from tests.local_serve import HUB_MODEL, NARROW_AUTH
+
+    base = serve_cluster.v1("narrow")
+    card = httpx.get(f"{base}/models", headers=NARROW_AUTH).json()["data"][0]
+    assert (card["id"], card["root"]) == ("tiny", HUB_MODEL)
+    hub = serve_cluster.hub
+    assert {repo for repo, _ in hub.downloads} == {HUB_MODEL}
+    assert "model.safetensors" in {name for _, name in hub.downloads}
+    assert set(hub.downloads.values()) == {1}
+    narrow = openai.OpenAI(base_url=base, api_key="narrow-key", max_retries=0)
+    res = narrow.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert res.choices[0].text == _greedy(reference_engine, [PROMPTS[1]], 16)[0]
+
+
 def test_streamed_completion_equals_whole(client, reference_engine):
     want = _greedy(reference_engine, [PROMPTS[1]], 40)[0]
     chunks = list(
