@@ -169,7 +169,9 @@ class SpeculativeConfig:
         "cache in the same replica; output unchanged likewise.",
     )
     model: str | None = knob(
-        None, "draft_model: the draft checkpoint directory (the target's tokenizer and vocabulary)."
+        None,
+        "draft_model: the draft checkpoint (the target's tokenizer and vocabulary): a "
+        "directory, Hub id or bucket URI, fetched as `model` is (docs/models.md).",
     )
     num_speculative_tokens: int = knob(
         4, f"Most tokens drafted per request per step (1 to {MAX_SPECULATIVE_TOKENS})."

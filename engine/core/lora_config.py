@@ -22,7 +22,10 @@ class LoRAConfig:
     )
     adapters: dict[str, str] = field(
         default_factory=dict,
-        metadata={"doc": "Adapters served from the start: name -> PEFT adapter directory."},
+        metadata={
+            "doc": "Adapters served from the start: name -> PEFT adapter directory, Hub id or "
+            "bucket URI (fetched as `model` is: docs/models.md)."
+        },
     )
     search_path: str | None = field(
         default=None,

@@ -12,6 +12,7 @@ from engine.core.lora_config import LoRAConfig
 from engine.core.lora_slots import LoRARequest
 from engine.lora.adapter import LoRAAdapter, read_adapter
 from engine.model.loader import DecoderSpec
+from engine.model.model_source import local_checkpoint
 
 
 class LoRARegistry:
@@ -25,6 +26,7 @@ class LoRARegistry:
         `on_read` gets each adapter read (the runner's host cache: no second read)."""
         self.config, self.spec, self.on_read = config, spec, on_read
         self._adapters: dict[str, LoRARequest] = {}
+        self._sources: dict[str, str] = {}  # name -> the path or id it was added from
         self._num_added = 0
         self._lock = threading.Lock()  # requests resolve names in threads of their own
         for name, path in config.adapters.items() if config.enabled else ():
@@ -40,13 +42,15 @@ class LoRARegistry:
             raise InvalidParam("lora_name", "lora_name: LoRA is not enabled (lora.enabled)")
         if not name or ":" in name or "/" in name:
             raise InvalidParam("lora_name", f"lora_name: {name!r} must be a name without : or /")
-        if not Path(path).is_dir():
+        local = local_checkpoint(path, "lora_path")  # a Hub id or a bucket: fetched first
+        if not Path(local).is_dir():
             raise InvalidParam("lora_path", f"lora_path: {path!r} is not a directory")
-        adapter = read_adapter(path, self.spec, self.config.max_lora_rank)
+        adapter = read_adapter(local, self.spec, self.config.max_lora_rank)
         with self._lock:
             self._num_added += 1
-            lora = LoRARequest(name, self._num_added, str(path))
+            lora = LoRARequest(name, self._num_added, local)
             self._adapters[name] = lora
+            self._sources[name] = path
         if self.on_read is not None:
             self.on_read(lora.lora_id, adapter)
         return lora
@@ -54,13 +58,13 @@ class LoRARegistry:
     def remove(self, name: str) -> None:
         """New requests cannot name it; requests already running it finish with it."""
         with self._lock:
+            self._sources.pop(name, None)
             if self._adapters.pop(name, None) is None:
                 raise UnknownModel(name, f"The LoRA adapter `{name}` is not loaded")
 
     def holds(self, name: str, path: str) -> bool:
         with self._lock:
-            lora = self._adapters.get(name)
-        return lora is not None and lora.path == path
+            return self._sources.get(name) == path
 
     def resolve(self, name: str, path: str | None = None) -> LoRARequest:
         """The adapter served as `name`: registered, or a directory of the search path; with
@@ -69,7 +73,8 @@ class LoRARegistry:
             raise UnknownModel(name, f"The model `{name}` does not exist (LoRA is not enabled)")
         with self._lock:
             lora = self._adapters.get(name)
-        if path is not None and (lora is None or lora.path != path):
+            source = self._sources.get(name)
+        if path is not None and (lora is None or source != path):
             return self.add(name, path)
         if lora is not None:
             return lora

@@ -72,7 +72,7 @@ def _listing(fs, uri: str, param: str) -> dict[str, str]:
             objects[key] = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or "")
     if not objects:
         raise InvalidParam(param, f"{param}: {uri}: nothing under this prefix")
-    if "config.json" not in objects:
+    if not {"config.json", "adapter_config.json"} & objects.keys():  # a model's, an adapter's
         raise InvalidParam(param, f"{param}: {uri}: no config.json under this prefix")
     if not any(k.endswith(".safetensors") for k in objects):
         raise InvalidParam(

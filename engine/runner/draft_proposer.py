@@ -27,6 +27,7 @@ from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculator import Speculator
 from engine.model.loader import read_spec
+from engine.model.model_source import local_checkpoint
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_draw import inverse_cdf
 
@@ -75,7 +76,10 @@ class DraftModelProposer:
         """`runner`: the target's (its vocabulary, block count and context length)."""
         from engine.runner.torch_runner import TorchModelRunner
 
-        path = config.speculative.model
+        path = local_checkpoint(
+            config.speculative.model, "speculative.model",
+            endpoint_url=config.object_store_endpoint_url,
+        )  # fmt: skip
         try:
             spec = read_spec(path)
         except ValueError as exc:

@@ -12,6 +12,7 @@ from engine.core.errors import InvalidParam
 from engine.core.lora_config import LoRAConfig
 from engine.lora.adapter import read_adapter
 from engine.model.loader import DecoderSpec
+from engine.model.model_source import local_checkpoint
 from serve_app.openai.errors import OpenAIError
 
 
@@ -51,10 +52,11 @@ class AdapterNames:
         if not name or ":" in name or "/" in name or name == self.base:
             message = f"lora_name: {name!r} must be a new name without ':' or '/'"
             raise OpenAIError(400, message, "lora_name")
-        if not Path(path).is_dir():
-            raise OpenAIError(400, f"lora_path: {path!r} is not a directory", "lora_path")
-        try:
-            await asyncio.to_thread(read_adapter, path, self.spec, self.config.max_lora_rank)
+        try:  # a Hub id or a bucket: fetched on this node first (the engines fetch it too)
+            local = await asyncio.to_thread(local_checkpoint, path, "lora_path")
+            if not Path(local).is_dir():
+                raise InvalidParam("lora_path", f"lora_path: {path!r} is not a directory")
+            await asyncio.to_thread(read_adapter, local, self.spec, self.config.max_lora_rank)
         except InvalidParam as exc:
             raise OpenAIError.bad_request(exc) from None
         await self.board.add.remote(name, path)

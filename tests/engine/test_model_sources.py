@@ -16,12 +16,14 @@ from engine.core.errors import InvalidParam
 from engine.core.sampling_params import SamplingParams
 from engine.model.model_source import local_checkpoint, served_name, source_kind
 from tests.hub_server import HubRepo, HubServer
+from tests.lora_adapters import lora_adapters
 
 
 @pytest.fixture
 def hub(tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """acme/tiny (main: the tiny checkpoint; v2: the same with another generation config),
-    acme/private (a token's only), acme/gated, acme/pickled (no safetensors); an empty cache."""
+    acme/tiny-sql (a LoRA adapter of it), acme/private (a token's only), acme/gated,
+    acme/pickled (no safetensors); an empty cache."""
     v2 = tmp_path / "v2"
     shutil.copytree(tiny_model, v2)
     (v2 / "generation_config.json").write_text(json.dumps({"temperature": 0.25}))
@@ -33,6 +35,7 @@ def hub(tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     server = HubServer(
         {
             "acme/tiny": HubRepo({"main": main, "v2": v2}),
+            "acme/tiny-sql": HubRepo({"main": Path(lora_adapters(tiny_model)["sql"])}),
             "acme/private": HubRepo({"main": main}, token="hf_secret"),
             "acme/gated": HubRepo({"main": main}, gated=True),
             "acme/pickled": HubRepo({"main": pickled}),
@@ -78,6 +81,34 @@ def test_a_hub_id_serves_after_one_download_per_node(hub: HubServer, tiny_model:
     again = local_checkpoint("acme/tiny")
     assert Path(again) == Path(engine.config.model)
     assert hub.num_downloads() == len(files)
+
+
+def test_a_draft_model_and_a_lora_adapter_by_hub_id(hub: HubServer, tiny_model: str) -> None:
+    from engine.core.config import EngineConfig, SpeculativeConfig
+    from engine.core.lora_config import LoRAConfig
+    from engine.llm_engine import LLMEngine
+    from tests.engine.oracle import HFOracle
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model,
+            speculative=SpeculativeConfig(
+                enabled=True, method="draft_model", model="acme/tiny", adaptive=False
+            ),
+            lora=LoRAConfig(enabled=True, adapters={"sql": "acme/tiny-sql"}),
+        )
+    )
+    assert {repo for repo, _ in hub.downloads} == {"acme/tiny", "acme/tiny-sql"}
+    prompt = [5, 17, 42, 99, 3, 5, 17, 42]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (base,) = engine.generate([prompt], params)
+    assert base.token_ids == HFOracle(tiny_model).greedy(prompt, 8)
+    (sql,) = engine.generate([prompt], params, loras=["sql"])
+    adapter = lora_adapters(tiny_model)["sql"]
+    assert sql.token_ids == HFOracle(tiny_model, adapter).greedy(prompt, 8)
+    assert sql.token_ids != base.token_ids  # the adapter was applied
+    # The ingress names the adapter by its source: the same source is the same adapter.
+    assert engine.loras.holds("sql", "acme/tiny-sql")
 
 
 def _resolve_in_a_process(source: str) -> None:
