@@ -70,7 +70,9 @@ class HubServer:
         self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        # A short poll: `stop` waits for the loop's next look at its flag.
+        serve = self._httpd.serve_forever
+        threading.Thread(target=serve, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return self
 
     def stop(self) -> None:
