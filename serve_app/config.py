@@ -295,6 +295,19 @@ class AppArgs(_Strict):
 
         return served_name(self.model)
 
+    def check_sources(self) -> None:
+        """That `model` and the draft model, where Hub ids or bucket URIs, can be fetched
+        (without fetching them): a deploy fails at once, naming the field, rather than its
+        replicas one by one. Raises InvalidParam."""
+        from engine.model.model_source import check_source
+
+        engine = self.engine
+        check_source(self.model, "model", engine.revision, engine.object_store_endpoint_url)
+        draft = engine.speculative
+        if draft.enabled and draft.model:
+            endpoint = engine.object_store_endpoint_url
+            check_source(draft.model, "engine.speculative.model", endpoint_url=endpoint)
+
     def with_local_model(self) -> AppArgs:
         """These args with `model` the checkpoint's directory on this node, fetched into its
         cache first where `model` is a Hub id or a bucket URI (once per node); the served

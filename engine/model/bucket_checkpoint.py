@@ -81,6 +81,12 @@ def _listing(fs, uri: str, param: str) -> dict[str, str]:
     return objects
 
 
+def check_bucket(uri: str, endpoint_url: str | None, param: str) -> None:
+    """That the checkpoint at `uri` can be copied, without copying it (its listing).
+    Raises as `bucket_checkpoint` does."""
+    _listing(_filesystem(uri, endpoint_url, param), uri, param)
+
+
 def bucket_checkpoint(uri: str, endpoint_url: str | None, param: str) -> Path:
     """The local copy of the checkpoint at `uri`. Raises InvalidParam naming `param`: no
     library for the scheme, no credentials, no such bucket, nothing under the prefix, no

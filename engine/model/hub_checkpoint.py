@@ -7,10 +7,12 @@ import): `HF_ENDPOINT` (a mirror or a private hub), `HF_TOKEN`, `HF_HUB_CACHE` /
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.errors import InvalidParam
@@ -39,12 +41,24 @@ def hub_offline() -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
-def hub_checkpoint(repo_id: str, revision: str | None, param: str) -> Path:
-    """The local snapshot of `repo_id` at `revision` (null: main). Raises InvalidParam
-    naming `param` with the cause: not found, unauthorized, gated, no such revision, offline
-    and not cached, no safetensors weights, disk full."""
-    from filelock import FileLock
-    from huggingface_hub import snapshot_download
+@dataclass(frozen=True)
+class _HubAccess:
+    """How this process reaches the Hub, read from its environment now."""
+
+    cache: Path
+    offline: bool
+    endpoint: str
+    token: str | None
+
+    @classmethod
+    def now(cls) -> _HubAccess:
+        endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+        return cls(hub_cache_dir(), hub_offline(), endpoint, os.environ.get("HF_TOKEN") or None)
+
+
+@contextlib.contextmanager
+def _named_errors(hub: _HubAccess, repo_id: str, revision: str | None, param: str):
+    """The Hub's (and the disk's) errors as one InvalidParam naming `param` and the cause."""
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -53,56 +67,90 @@ def hub_checkpoint(repo_id: str, revision: str | None, param: str) -> Path:
         RevisionNotFoundError,
     )
 
-    cache = hub_cache_dir()
-    offline = hub_offline()
-    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
     at = f"{repo_id}@{revision or 'main'}"
-    locks = cache / ".dynabatch-locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(locks / (repo_id.replace("/", "--") + ".lock")))
-    with lock:  # one download per node; the others find it cached
-        started = time.monotonic()
-        origin = "the cache" if offline else endpoint
-        logger.info("%s: %s from %s into %s", param, at, origin, cache)
-        try:
-            path = Path(
-                snapshot_download(
-                    repo_id,
-                    revision=revision,
-                    cache_dir=cache,
-                    endpoint=endpoint,
-                    token=os.environ.get("HF_TOKEN") or None,
-                    local_files_only=offline,
-                    allow_patterns=ALLOW_PATTERNS,
-                    ignore_patterns=IGNORE_PATTERNS,
-                )
-            )
-        except GatedRepoError:
-            raise InvalidParam(
-                param, f"{param}: {repo_id} is gated: accept its terms on the Hub, set HF_TOKEN"
-            ) from None
-        except RepositoryNotFoundError as exc:
-            token = "refused" if os.environ.get("HF_TOKEN") else "unset"
-            why = f"unauthorized (HF_TOKEN {token})"
-            status = exc.response.status_code if exc.response is not None else 404
-            cause = why if status == 401 else f"not a local directory, nor a repo at {endpoint}"
-            raise InvalidParam(param, f"{param}: {repo_id}: {cause}") from None
-        except RevisionNotFoundError:
-            raise InvalidParam(param, f"{param}: {repo_id} has no revision {revision!r}") from None
-        except LocalEntryNotFoundError:
-            cause = "HF_HUB_OFFLINE is set" if offline else f"{endpoint} could not be reached"
-            raise InvalidParam(
-                param, f"{param}: {at} is not in the cache at {cache} and {cause}"
-            ) from None
-        except HfHubHTTPError as exc:
-            raise InvalidParam(param, f"{param}: {repo_id}: the Hub answered {exc}") from None
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise InvalidParam(param, f"{param}: {at}: disk full in {cache}") from None
-            raise
-    if not any(path.glob("*.safetensors")):
+    try:
+        yield
+    except GatedRepoError:
+        raise InvalidParam(
+            param, f"{param}: {repo_id} is gated: accept its terms on the Hub, set HF_TOKEN"
+        ) from None
+    except RepositoryNotFoundError as exc:
+        token = "refused" if hub.token else "unset"
+        status = exc.response.status_code if exc.response is not None else 404
+        cause = (
+            f"unauthorized (HF_TOKEN {token})"
+            if status == 401
+            else f"not a local directory, nor a repo at {hub.endpoint}"
+        )
+        raise InvalidParam(param, f"{param}: {repo_id}: {cause}") from None
+    except RevisionNotFoundError:
+        raise InvalidParam(param, f"{param}: {repo_id} has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:
+        cause = "HF_HUB_OFFLINE is set" if hub.offline else f"{hub.endpoint} could not be reached"
+        raise InvalidParam(
+            param, f"{param}: {at} is not in the cache at {hub.cache} and {cause}"
+        ) from None
+    except HfHubHTTPError as exc:
+        raise InvalidParam(param, f"{param}: {repo_id}: the Hub answered {exc}") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise InvalidParam(param, f"{param}: {at}: disk full in {hub.cache}") from None
+        raise
+
+
+def _has_weights(files: list[str], at: str, param: str) -> None:
+    if not any(f.endswith(".safetensors") and "/" not in f for f in files):
         raise InvalidParam(
             param, f"{param}: {at} has no safetensors weights (pickled weights are not loaded)"
         )
+
+
+def hub_checkpoint(repo_id: str, revision: str | None, param: str) -> Path:
+    """The local snapshot of `repo_id` at `revision` (null: main). Raises InvalidParam
+    naming `param` with the cause: not found, unauthorized, gated, no such revision, offline
+    and not cached, no safetensors weights, disk full."""
+    from filelock import FileLock
+    from huggingface_hub import snapshot_download
+
+    hub = _HubAccess.now()
+    at = f"{repo_id}@{revision or 'main'}"
+    locks = hub.cache / ".dynabatch-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(locks / (repo_id.replace("/", "--") + ".lock")))
+    with lock, _named_errors(hub, repo_id, revision, param):  # one download per node
+        started = time.monotonic()
+        origin = "the cache" if hub.offline else hub.endpoint
+        logger.info("%s: %s from %s into %s", param, at, origin, hub.cache)
+        path = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=hub.cache,
+                endpoint=hub.endpoint,
+                token=hub.token,
+                local_files_only=hub.offline,
+                allow_patterns=ALLOW_PATTERNS,
+                ignore_patterns=IGNORE_PATTERNS,
+            )
+        )
+    _has_weights([p.name for p in path.glob("*.safetensors")], at, param)
     logger.info("%s: %s is %s (%.1f s)", param, at, path, time.monotonic() - started)
     return path
+
+
+def check_hub_repo(repo_id: str, revision: str | None, param: str) -> None:
+    """That `repo_id` at `revision` can be served, without fetching it: its file list from
+    the Hub (offline: the cache's snapshot). Raises as `hub_checkpoint` does."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    hub = _HubAccess.now()
+    with _named_errors(hub, repo_id, revision, param):
+        if hub.offline:
+            path = snapshot_download(
+                repo_id, revision=revision, cache_dir=hub.cache, local_files_only=True
+            )
+            files = [p.name for p in Path(path).iterdir()]
+        else:
+            api = HfApi(endpoint=hub.endpoint, token=hub.token)
+            files = api.list_repo_files(repo_id, revision=revision)
+    _has_weights(files, f"{repo_id}@{revision or 'main'}", param)

@@ -60,3 +60,24 @@ def local_checkpoint(
 
         return str(bucket_checkpoint(source, endpoint_url, param))
     return source
+
+
+def check_source(
+    source: str,
+    param: str = "model",
+    revision: str | None = None,
+    endpoint_url: str | None = None,
+) -> None:
+    """Where `source` is a Hub id or a bucket: that it can be fetched (it exists, is
+    reachable with the credentials here, has safetensors weights), without fetching it; a
+    deploy checks before its replicas start. A local directory is not checked: it need be
+    only on the nodes that run the replicas. Raises as `local_checkpoint` does."""
+    kind = source_kind(source, param)
+    if kind == "hub":
+        from engine.model.hub_checkpoint import check_hub_repo
+
+        check_hub_repo(source, revision, param)
+    elif kind == "bucket":
+        from engine.model.bucket_checkpoint import check_bucket
+
+        check_bucket(source, endpoint_url, param)

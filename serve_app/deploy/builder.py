@@ -33,6 +33,7 @@ _REQUESTS_COUNTED_AT_REPLICAS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDL
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
     """The OpenAI ingress bound to its engine replicas, built from validated AppArgs."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    app_args.check_sources()  # a model that cannot be fetched fails the deploy, naming it
     plain = app_args.model_dump()
     # The control plane's actors: no CPU of their own, on the nodes deploy.yaml says.
     control = {"num_cpus": 0, "resources": dict(app_args.controller.resources)}

@@ -59,7 +59,12 @@ def main() -> int:
     with open(opts.config) as f:
         config = yaml.safe_load(f)
     app = config["applications"][0]
-    args = AppArgs.model_validate(app.get("args", {}))  # fail fast, naming a bad field
+    try:  # fail fast, naming a bad field or a model that cannot be fetched
+        args = AppArgs.model_validate(app.get("args", {}))
+        args.check_sources()
+    except ValueError as exc:
+        print(f"{opts.config}: {exc}", file=sys.stderr)
+        return 2
     http = config.get("http_options", {})
     host = http.get("host", "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from engine.core.errors import InvalidParam
 from engine.core.sampling_params import SamplingParams
-from engine.model.model_source import local_checkpoint, served_name, source_kind
+from engine.model.model_source import check_source, local_checkpoint, served_name, source_kind
 from tests.hub_server import HubRepo, HubServer
 from tests.lora_adapters import lora_adapters
 
@@ -151,6 +152,26 @@ def test_a_hub_failure_is_one_error_naming_the_field(hub: HubServer, source: str
         local_checkpoint(source, "speculative.model")
     assert err.value.param == "speculative.model"
     assert str(err.value).startswith(f"speculative.model: {source}")
+
+
+def test_a_source_is_checked_without_fetching_it(hub: HubServer, s3) -> None:
+    """What a deploy checks before its replicas start: the same causes, nothing fetched."""
+    _, endpoint = s3
+    check_source("acme/tiny")
+    check_source("acme/tiny", revision="v2")
+    check_source("s3://ckpt/tiny/", endpoint_url=endpoint)
+    for source, revision, cause in [
+        ("acme/missing", None, "nor a repo at"),
+        ("acme/tiny", "v3", "has no revision 'v3'"),
+        ("acme/private", None, "unauthorized"),
+        ("acme/pickled", None, "no safetensors weights"),
+        ("s3://ckpt/elsewhere/", None, "nothing under this prefix"),
+    ]:
+        with pytest.raises(InvalidParam, match=cause) as err:
+            check_source(source, "model", revision, endpoint)
+        assert err.value.param == "model"
+    assert hub.num_downloads() == 0
+    assert not list((Path(os.environ["DYNABATCH_CACHE"]) / "buckets").glob("*/*/config.json"))
 
 
 def test_a_token_opens_a_private_repo(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:

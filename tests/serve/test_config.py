@@ -81,3 +81,52 @@ def test_the_model_source_is_validated_and_a_hub_model_named_by_its_id(tiny_mode
     assert local.with_local_model() == local.model_copy(update={"served_model_name": "tiny"})
     with pytest.raises(pydantic.ValidationError, match="unknown scheme 'ftp'"):
         AppArgs(model="ftp://host/model")
+
+
+def test_a_model_that_cannot_be_fetched_fails_the_deploy_naming_it(tiny_model, monkeypatch):
+    """build_app checks a Hub id before any replica starts (tests/hub_server.py plays the
+    Hub): one error naming `model`, not replicas failing one by one."""
+    from pathlib import Path
+
+    from engine.core.errors import InvalidParam
+    from serve_app import build_app
+    from tests.hub_server import HubRepo, HubServer
+
+    hub = HubServer({"acme/tiny": HubRepo({"main": Path(tiny_model)})}).start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    try:
+        build_app(dict(deploy_yaml_args(), model="acme/tiny"))
+        with pytest.raises(InvalidParam, match="model: acme/missing: not a local directory"):
+            build_app(dict(deploy_yaml_args(), model="acme/missing"))
+        assert hub.num_downloads() == 0
+    finally:
+        hub.stop()
+
+
+def test_make_serve_stops_at_once_naming_a_model_that_cannot_be_fetched(tiny_model, tmp_path):
+    """`make serve`'s launcher checks the model before it starts Ray: one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from tests.conftest import REPO
+    from tests.hub_server import HubRepo, HubServer
+
+    config = deploy_yaml()
+    config["applications"][0]["args"]["model"] = "acme/missing"
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    hub = HubServer({"acme/tiny": HubRepo({"main": Path(tiny_model)})}).start()
+    try:
+        env = dict(os.environ, HF_ENDPOINT=hub.endpoint)
+        command = [sys.executable, "-m", "serve_app.deploy.launch", str(path)]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    finally:
+        hub.stop()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (
+        f"{path}: model: acme/missing: not a local directory, nor a repo at {hub.endpoint}"
+    )
