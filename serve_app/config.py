@@ -308,15 +308,16 @@ class AppArgs(_Strict):
             endpoint = engine.object_store_endpoint_url
             check_source(draft.model, "engine.speculative.model", endpoint_url=endpoint)
 
-    def with_local_model(self) -> AppArgs:
+    def with_local_model(self, weights: bool = True) -> AppArgs:
         """These args with `model` the checkpoint's directory on this node, fetched into its
-        cache first where `model` is a Hub id or a bucket URI (once per node); the served
-        name stays the source's. Raises InvalidParam naming `model` with the cause."""
+        cache first where `model` is a Hub id or a bucket URI (once per node; `weights`
+        false: all but the weights, as an ingress needs); the served name stays the
+        source's. Raises InvalidParam naming `model` with the cause."""
         from engine.model.model_source import local_checkpoint
 
         engine = self.engine
         local = local_checkpoint(
-            self.model, "model", engine.revision, engine.object_store_endpoint_url
+            self.model, "model", engine.revision, engine.object_store_endpoint_url, weights
         )
         return self.model_copy(update={"model": local, "served_model_name": self.model_name})
 

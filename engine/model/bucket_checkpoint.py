@@ -17,7 +17,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from engine.core.errors import InvalidParam
-from engine.model.hub_checkpoint import ALLOW_PATTERNS, IGNORE_PATTERNS
+from engine.model.hub_checkpoint import IGNORE_PATTERNS, fetched_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ def bucket_cache_dir() -> Path:
     return Path(root) / "buckets"
 
 
-def _wanted(key: str) -> bool:
-    return any(fnmatch(key, p) for p in ALLOW_PATTERNS) and not any(
+def _wanted(key: str, weights: bool) -> bool:
+    return any(fnmatch(key, p) for p in fetched_patterns(weights)) and not any(
         fnmatch(key, p) for p in IGNORE_PATTERNS
     )
 
@@ -52,8 +52,9 @@ def _filesystem(uri: str, endpoint_url: str | None, param: str):
         raise InvalidParam(param, f"{param}: {cause}") from None
 
 
-def _listing(fs, uri: str, param: str) -> dict[str, str]:
-    """The checkpoint's objects under `uri`: relative key -> ETag."""
+def _listing(fs, uri: str, param: str, weights: bool = True) -> dict[str, str]:
+    """The checkpoint's objects under `uri` (without its weights where `weights` is false):
+    relative key -> ETag."""
     root = uri.split("://", 1)[1].rstrip("/")
     try:
         found = fs.find(root, detail=True)
@@ -68,7 +69,7 @@ def _listing(fs, uri: str, param: str) -> dict[str, str]:
     objects = {}
     for path, info in found.items():
         key = path[len(root) :].lstrip("/")
-        if info.get("type") == "file" and _wanted(key):
+        if info.get("type") == "file" and _wanted(key, True):
             objects[key] = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or "")
     if not objects:
         raise InvalidParam(param, f"{param}: {uri}: nothing under this prefix")
@@ -78,7 +79,7 @@ def _listing(fs, uri: str, param: str) -> dict[str, str]:
         raise InvalidParam(
             param, f"{param}: {uri} has no safetensors weights (pickled weights are not loaded)"
         )
-    return objects
+    return {key: etag for key, etag in objects.items() if _wanted(key, weights)}
 
 
 def check_bucket(uri: str, endpoint_url: str | None, param: str) -> None:
@@ -87,10 +88,10 @@ def check_bucket(uri: str, endpoint_url: str | None, param: str) -> None:
     _listing(_filesystem(uri, endpoint_url, param), uri, param)
 
 
-def bucket_checkpoint(uri: str, endpoint_url: str | None, param: str) -> Path:
-    """The local copy of the checkpoint at `uri`. Raises InvalidParam naming `param`: no
-    library for the scheme, no credentials, no such bucket, nothing under the prefix, no
-    safetensors weights, disk full."""
+def bucket_checkpoint(uri: str, endpoint_url: str | None, param: str, weights: bool = True) -> Path:
+    """The local copy of the checkpoint at `uri` (without its weights where `weights` is
+    false). Raises InvalidParam naming `param`: no library for the scheme, no credentials,
+    no such bucket, nothing under the prefix, no safetensors weights, disk full."""
     from filelock import FileLock
 
     fs = _filesystem(uri, endpoint_url, param)
@@ -98,7 +99,7 @@ def bucket_checkpoint(uri: str, endpoint_url: str | None, param: str) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     with FileLock(str(home / ".lock")):
         started = time.monotonic()
-        objects = _listing(fs, uri, param)
+        objects = _listing(fs, uri, param, weights)
         digest = hashlib.sha256(json.dumps(sorted(objects.items())).encode()).hexdigest()[:16]
         target = home / digest
         if (target / MANIFEST).is_file():

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 # Config, tokenizer, chat template, generation config and safetensors weights; never pickled
 # weights (.bin, .pth, .pt: the loader reads safetensors only, and a pickle runs code on load)
 # nor the `original/` copies some repos carry.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+WEIGHT_PATTERN = "*.safetensors"
+ALLOW_PATTERNS = ["*.json", WEIGHT_PATTERN, "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 IGNORE_PATTERNS = ["original/*", "*.bin", "*.pth", "*.pt", "*.gguf", "*.onnx", "*.h5"]
 
 
@@ -105,10 +106,17 @@ def _has_weights(files: list[str], at: str, param: str) -> None:
         )
 
 
-def hub_checkpoint(repo_id: str, revision: str | None, param: str) -> Path:
-    """The local snapshot of `repo_id` at `revision` (null: main). Raises InvalidParam
-    naming `param` with the cause: not found, unauthorized, gated, no such revision, offline
-    and not cached, no safetensors weights, disk full."""
+def fetched_patterns(weights: bool) -> list[str]:
+    """What a fetch takes: everything a replica reads, or (an ingress: config, tokenizer and
+    chat template) all but the weights."""
+    return ALLOW_PATTERNS if weights else [p for p in ALLOW_PATTERNS if p != WEIGHT_PATTERN]
+
+
+def hub_checkpoint(repo_id: str, revision: str | None, param: str, weights: bool = True) -> Path:
+    """The local snapshot of `repo_id` at `revision` (null: main); without the weights
+    where `weights` is false. Raises InvalidParam naming `param` with the cause: not found,
+    unauthorized, gated, no such revision, offline and not cached, no safetensors weights,
+    disk full."""
     from filelock import FileLock
     from huggingface_hub import snapshot_download
 
@@ -129,11 +137,12 @@ def hub_checkpoint(repo_id: str, revision: str | None, param: str) -> Path:
                 endpoint=hub.endpoint,
                 token=hub.token,
                 local_files_only=hub.offline,
-                allow_patterns=ALLOW_PATTERNS,
+                allow_patterns=fetched_patterns(weights),
                 ignore_patterns=IGNORE_PATTERNS,
             )
         )
-    _has_weights([p.name for p in path.glob("*.safetensors")], at, param)
+    if weights:
+        _has_weights([p.name for p in path.glob(WEIGHT_PATTERN)], at, param)
     logger.info("%s: %s is %s (%.1f s)", param, at, path, time.monotonic() - started)
     return path
 

@@ -46,19 +46,21 @@ def local_checkpoint(
     param: str = "model",
     revision: str | None = None,
     endpoint_url: str | None = None,
+    weights: bool = True,
 ) -> str:
     """The local checkpoint directory of `source` (itself where local). A Hub id is fetched
-    at `revision`; an s3:// URI from `endpoint_url` where set (S3-compatible stores).
-    Raises InvalidParam naming `param` with the cause."""
+    at `revision`; an s3:// URI from `endpoint_url` where set (S3-compatible stores);
+    `weights` false fetches all but the weights (what an ingress reads). Raises InvalidParam
+    naming `param` with the cause."""
     kind = source_kind(source, param)
     if kind == "hub":
         from engine.model.hub_checkpoint import hub_checkpoint
 
-        return str(hub_checkpoint(source, revision, param))
+        return str(hub_checkpoint(source, revision, param, weights))
     if kind == "bucket":
         from engine.model.bucket_checkpoint import bucket_checkpoint
 
-        return str(bucket_checkpoint(source, endpoint_url, param))
+        return str(bucket_checkpoint(source, endpoint_url, param, weights))
     return source
 
 

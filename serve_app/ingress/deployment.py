@@ -61,7 +61,7 @@ class OpenAIIngress:
         response_store: DeploymentHandle | None = None,
     ) -> None:
         declared = AppArgs.model_validate(args)
-        self.args = declared.with_local_model()
+        self.args = declared.with_local_model(weights=False)  # its tokenizer, not the weights
         self.model_name = self.args.model_name
         # The engines resolve `auto` the same way, from the same config.json.
         spec = read_spec(self.args.model)

@@ -47,7 +47,9 @@ class EngineServer:
         from engine.async_engine import AsyncLLMEngine
         from engine.llm_engine import LLMEngine
 
-        self.args = AppArgs.model_validate(args).with_local_model()
+        self.args = AppArgs.model_validate(args)
+        # An emulated engine reads the tokenizer only.
+        self.args = self.args.with_local_model(weights=self.args.engine.device != "emulated")
         self.capacity = self.args.replica_capacity
         config = self.args.engine.engine_config(self.args.model)
         start = config.scheduler.limits()

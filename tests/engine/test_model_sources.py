@@ -112,6 +112,24 @@ def test_a_draft_model_and_a_lora_adapter_by_hub_id(hub: HubServer, tiny_model: 
     assert engine.loras.holds("sql", "acme/tiny-sql")
 
 
+def test_an_ingress_fetches_all_but_the_weights(hub: HubServer, s3, tiny_model: str) -> None:
+    """What an ingress reads (config, tokenizer, chat template), then, on the same node, an
+    engine replica: only the weights are fetched then."""
+    _, endpoint = s3
+    local = Path(local_checkpoint("acme/tiny", weights=False))
+    assert not (local / "model.safetensors").exists()
+    assert (local / "tokenizer.json").is_file() and (local / "config.json").is_file()
+    assert ("acme/tiny", "model.safetensors") not in hub.downloads
+    before = hub.num_downloads()
+    assert Path(local_checkpoint("acme/tiny")) == local
+    assert (local / "model.safetensors").is_file()
+    assert hub.downloads[("acme/tiny", "model.safetensors")] == 1
+    assert hub.num_downloads() == before + 1
+
+    light = Path(local_checkpoint("s3://ckpt/tiny/", endpoint_url=endpoint, weights=False))
+    assert (light / "tokenizer.json").is_file() and not (light / "model.safetensors").exists()
+
+
 def _resolve_in_a_process(source: str) -> None:
     local_checkpoint(source)
 
