@@ -25,7 +25,7 @@ from serve_app.ingress.edge_routes import EdgeState, install_edge
 from serve_app.ingress.lora_names import AdapterNames
 from serve_app.ingress.lora_routes import router as lora_router
 from serve_app.ingress.ops_routes import OpsState
-from serve_app.observability import tracing
+from serve_app.observability import replica_logs, tracing
 from serve_app.observability.telemetry import IngressMetrics
 from serve_app.openai import protocol as oai
 from serve_app.openai.completions import CompletionsService
@@ -60,6 +60,7 @@ class OpenAIIngress:
         lora_board: DeploymentHandle | None = None,
         response_store: DeploymentHandle | None = None,
     ) -> None:
+        replica_logs.into_replica_log()
         declared = AppArgs.model_validate(args)
         self.args = declared.with_local_model(weights=False)  # its tokenizer, not the weights
         self.model_name = self.args.model_name

@@ -28,7 +28,7 @@ from engine.core.policy import ExternalLimits
 from engine.core.request import Resume
 from engine.core.sampling_params import SamplingParams
 from serve_app.config import AppArgs
-from serve_app.observability import tracing
+from serve_app.observability import replica_logs, tracing
 from serve_app.replica.health import health_problem
 from serve_app.transport.delta_channel import ChannelledFirst, Outboxes, channel_name
 from serve_app.transport.engine_rejection import EngineRejection
@@ -47,6 +47,7 @@ class EngineServer:
         from engine.async_engine import AsyncLLMEngine
         from engine.llm_engine import LLMEngine
 
+        replica_logs.into_replica_log()
         self.args = AppArgs.model_validate(args)
         # An emulated engine reads the tokenizer only.
         self.args = self.args.with_local_model(weights=self.args.engine.device != "emulated")

@@ -1,4 +1,4 @@
-"""A minute of the soak (loadtests/soak/cli.py) on a Ray of its own: mixed load (streams,
+"""Eighty seconds of the soak (loadtests/soak/cli.py) on a Ray of its own: mixed load (streams,
 whole completions, streamed chats, aborts, clients that leave, bad bodies, bursts of 64
 streams) with one engine replica killed halfway. Nothing valid is lost, wrong or hung, every
 bad body is refused naming its field, and every KV block is free at the end."""
@@ -22,11 +22,11 @@ def test_a_soak_with_a_kill_loses_nothing_and_frees_every_block(tmp_path):
         "-m",
         "loadtests.soak",
         "--duration",
-        "64",
+        "80",
         "--kill-every",
-        "40",
+        "45",
     ]
-    command += ["--burst-every", "22", "--warmup", "16", "--sample-every", "4", "--json"]
+    command += ["--burst-every", "30", "--warmup", "20", "--sample-every", "5", "--json"]
     command += ["--out", str(tmp_path)]
     result = run_json(command, REPO, 460)
     assert (result["lost"], result["hung"], result["wrong"]) == (0, 0, 0), result["failures"]

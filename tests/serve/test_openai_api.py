@@ -97,6 +97,24 @@ def test_an_app_serves_a_hub_id_downloaded_once_per_node(serve_cluster, referenc
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert res.choices[0].text == _greedy(reference_engine, [PROMPTS[1]], 16)[0]
+    # What each replica did at start is in its own log (Serve's, under the session's logs).
+    for deployment, line in [
+        ("EngineServer", f"model: {HUB_MODEL}@main from {hub.endpoint}"),
+        ("EngineServer", "attention backend "),
+        ("OpenAIIngress", f"model: {HUB_MODEL}@main is "),
+    ]:
+        assert line in _replica_log("narrow", deployment), (deployment, line)
+
+
+def _replica_log(app: str, deployment: str) -> str:
+    from pathlib import Path
+
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    files = sorted(logs.glob(f"replica_{app}_{deployment}_*.log"))
+    assert files, sorted(p.name for p in logs.iterdir())
+    return "".join(f.read_text() for f in files)
 
 
 def test_streamed_completion_equals_whole(client, reference_engine):
