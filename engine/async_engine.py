@@ -197,8 +197,9 @@ class AsyncLLMEngine:
                 continue
             if not outputs:
                 continue
-            self._consumed.clear()
-            if self._post(self._deliver, outputs, self.lockstep) and self.lockstep:
+            if self.lockstep:
+                self._consumed.clear()
+            if self._post(self._deliver, outputs) and self.lockstep:
                 self._wait_for_consumers()
 
     def _wait_for_consumers(self) -> None:
@@ -232,12 +233,12 @@ class AsyncLLMEngine:
             self.engine.abort_all()
         return False
 
-    def _deliver(self, outputs: list[RequestOutput], lockstep: bool) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
-        if lockstep:  # said after the consumers these outputs woke (queued before it)
+        if self.lockstep:  # said after the consumers these outputs woke (queued before it)
             asyncio.get_running_loop().call_soon(self._consumed.set)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:

@@ -17,7 +17,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from engine.core.errors import InvalidParam
-from engine.model.hub_checkpoint import IGNORE_PATTERNS, fetched_patterns
+from engine.model.hub_checkpoint import IGNORE_PATTERNS, WEIGHT_PATTERN, fetched_patterns
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ def bucket_cache_dir() -> Path:
     return Path(root) / "buckets"
 
 
-def _wanted(key: str, weights: bool) -> bool:
-    return any(fnmatch(key, p) for p in fetched_patterns(weights)) and not any(
+def _wanted(key: str) -> bool:
+    return any(fnmatch(key, p) for p in fetched_patterns(True)) and not any(
         fnmatch(key, p) for p in IGNORE_PATTERNS
     )
 
@@ -69,7 +69,7 @@ def _listing(fs, uri: str, param: str, weights: bool = True) -> dict[str, str]:
     objects = {}
     for path, info in found.items():
         key = path[len(root) :].lstrip("/")
-        if info.get("type") == "file" and _wanted(key, True):
+        if info.get("type") == "file" and _wanted(key):
             objects[key] = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or "")
     if not objects:
         raise InvalidParam(param, f"{param}: {uri}: nothing under this prefix")
@@ -79,7 +79,7 @@ def _listing(fs, uri: str, param: str, weights: bool = True) -> dict[str, str]:
         raise InvalidParam(
             param, f"{param}: {uri} has no safetensors weights (pickled weights are not loaded)"
         )
-    return {key: etag for key, etag in objects.items() if _wanted(key, weights)}
+    return {k: etag for k, etag in objects.items() if weights or not fnmatch(k, WEIGHT_PATTERN)}
 
 
 def check_bucket(uri: str, endpoint_url: str | None, param: str) -> None:
