@@ -1,5 +1,6 @@
 """Request traces as JSONL files: one object per line with `arrival_s` (seconds from the
-start), `prompt_len` and `output_len` (tokens), and optionally `request_id` and `adapter`.
+start), `prompt_len` and `output_len` (tokens), and optionally `request_id`, `adapter` and
+`model` (the served model a request names, where an app serves several).
 A row that is not such an object is an error naming its line and field."""
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def load_trace(path: str | Path) -> list[SimRequest]:
         if request_id in seen:
             raise bad("request_id", f"{request_id!r} appears twice")
         seen.add(request_id)
-        adapter = row.get("adapter")
-        if adapter is not None and not isinstance(adapter, str):
-            raise bad("adapter", f"must be a string or null, got {adapter!r}")
-        out.append(SimRequest(request_id, float(arrival), lengths[0], lengths[1], adapter))
+        names = []
+        for field in ("adapter", "model"):
+            value = row.get(field)
+            if value is not None and not isinstance(value, str):
+                raise bad(field, f"must be a string or null, got {value!r}")
+            names.append(value)
+        out.append(SimRequest(request_id, float(arrival), lengths[0], lengths[1], *names))
     if not out:
         raise TraceError(f"{path}: no requests")
     return sorted(out, key=lambda r: r.arrival_s)

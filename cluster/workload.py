@@ -26,6 +26,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     adapter: str | None = None  # the LoRA adapter it names (None: the base model)
+    model: str | None = None  # the served model it names, where an app serves several
 
 
 @dataclass(frozen=True)

@@ -182,14 +182,70 @@ class EngineReplicaArgs(ReplicaArgs):
     )
 
 
+class ModelEntry(_Strict):
+    """One model of an app that serves several (`models:`), each with its own engine
+    replicas, controller and LoRA adapters behind the app's ingress. Its fields are the
+    top-level fields of the same names; a field it leaves out is the top level's, and a
+    section it sets is merged over the top level's key by key (`engine: {dtype: bfloat16}`
+    keeps the rest of the top-level `engine`)."""
+
+    model: str = Field(description="As the top-level `model`.")
+    served_model_name: str | None = Field(
+        None, description="As the top-level one; unique among the app's models."
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="Over the top-level `engine` (its `lora` included)."
+    )
+    batching: dict[str, Any] = Field(
+        default_factory=dict, description="Over the top-level `batching`."
+    )
+    autoscaling: dict[str, Any] | None = Field(
+        None, description="Over the top-level `autoscaling` (null here: a fixed count)."
+    )
+    engine_replicas: dict[str, Any] = Field(
+        default_factory=dict, description="Over the top-level `engine_replicas`."
+    )
+    routing: dict[str, Any] = Field(
+        default_factory=dict, description="Over the top-level `routing`."
+    )
+    max_queued_requests: int | None = Field(
+        None, ge=0, description="As the top-level one. Null: the top level's."
+    )
+
+    def over(self, top: dict[str, Any]) -> dict[str, Any]:
+        """The whole args of this model: what it sets over `top` (the app's args)."""
+        patch = self.model_dump(exclude_unset=True)
+        if patch.get("max_queued_requests", 0) is None:
+            del patch["max_queued_requests"]
+        return merged(top, patch)
+
+
+def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """`patch` over `base`: a section set in both is merged key by key, anything else
+    replaced."""
+    out = dict(base)
+    for key, value in patch.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if nested else value
+    return out
+
+
 class AppArgs(_Strict):
     """Everything `serve_app:build_app` needs; deploy.yaml's `args:`."""
 
-    model: str = Field(
+    model: str | None = Field(
+        None,
         description="The checkpoint (Llama/Mistral/Qwen2/Qwen3): a local HF checkpoint directory "
         "(the same path on every node), a Hugging Face Hub id (org/name; engine.revision picks "
         "the revision), or an object-store URI (s3://bucket/prefix/, gs://...). Each node "
-        "fetches it once into its cache: docs/models.md."
+        "fetches it once into its cache: docs/models.md. Required unless `models` is set.",
+    )
+    models: list[ModelEntry] = Field(
+        default_factory=list,
+        description="Several models behind one ingress, instead of `model`: each entry a "
+        "model with its own engine replicas, controller and adapters; a request's `model` "
+        "picks one (docs/serving.md#several-models). The top-level fields are the defaults of "
+        "every entry.",
     )
     served_model_name: str | None = Field(
         None,
@@ -252,6 +308,22 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
+        if self.models:
+            if self.model is not None:
+                raise ValueError("model: set either `model` or `models`, not both")
+            if self.served_model_name is not None:
+                raise ValueError("served_model_name: with `models`, set in each entry")
+            names: dict[str, int] = {}
+            for index, args in enumerate(self.per_model()):  # each validated on its own
+                if args.model_name in names:
+                    raise ValueError(
+                        f"models[{index}].served_model_name: {args.model_name!r} is also "
+                        f"models[{names[args.model_name]}]'s"
+                    )
+                names[args.model_name] = index
+            return self
+        if self.model is None:
+            raise ValueError("model: required (or `models`, a list)")
         tp, gpus = self.engine.tensor_parallel_size, self.engine_replicas.num_gpus
         if tp > 1 and gpus and gpus != tp:  # one GPU per rank, all on the replica's node
             raise ValueError(
@@ -281,11 +353,26 @@ class AppArgs(_Strict):
 
     @field_validator("model")
     @classmethod
-    def _known_source(cls, model: str) -> str:
+    def _known_source(cls, model: str | None) -> str | None:
         from engine.model.model_source import source_kind
 
-        source_kind(model)  # an unknown scheme fails the deploy, not the replicas
+        if model is not None:
+            source_kind(model)  # an unknown scheme fails the deploy, not the replicas
         return model
+
+    def per_model(self) -> list[AppArgs]:
+        """One model's whole args for each model the app serves: these args themselves when
+        they name one `model`, else each `models` entry over the top-level fields."""
+        if not self.models:
+            return [self]
+        top = self.model_dump(exclude={"models", "model", "served_model_name"})
+        found = []
+        for index, entry in enumerate(self.models):
+            try:
+                found.append(AppArgs.model_validate(entry.over(top)))
+            except ValueError as exc:
+                raise ValueError(f"models[{index}] ({entry.model}): {_first_error(exc)}") from None
+        return found
 
     @property
     def model_name(self) -> str:
@@ -293,6 +380,8 @@ class AppArgs(_Strict):
             return self.served_model_name
         from engine.model.model_source import served_name
 
+        if self.model is None:
+            raise ValueError("model_name: these args serve several models (per_model())")
         return served_name(self.model)
 
     def check_sources(self) -> None:
@@ -301,12 +390,14 @@ class AppArgs(_Strict):
         replicas one by one. Raises InvalidParam."""
         from engine.model.model_source import check_source
 
-        engine = self.engine
-        check_source(self.model, "model", engine.revision, engine.object_store_endpoint_url)
-        draft = engine.speculative
-        if draft.enabled and draft.model:
-            endpoint = engine.object_store_endpoint_url
-            check_source(draft.model, "engine.speculative.model", endpoint_url=endpoint)
+        for args in self.per_model():
+            engine, model = args.engine, args.model
+            assert model is not None  # per_model's args each name one
+            check_source(model, "model", engine.revision, engine.object_store_endpoint_url)
+            draft = engine.speculative
+            if draft.enabled and draft.model:
+                endpoint = engine.object_store_endpoint_url
+                check_source(draft.model, "engine.speculative.model", endpoint_url=endpoint)
 
     def with_local_model(self, weights: bool = True) -> AppArgs:
         """These args with `model` the checkpoint's directory on this node, fetched into its
@@ -335,3 +426,16 @@ class AppArgs(_Strict):
     def replica_capacity(self) -> int:
         """Requests one engine replica accepts at once: a full batch plus its queue."""
         return self.engine.max_num_seqs + self.max_queued_requests
+
+
+def _first_error(exc: ValueError) -> str:
+    """A pydantic ValidationError's first message, its location named; another ValueError's
+    text."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where and not message.startswith(where) else message

@@ -38,17 +38,10 @@ def deploy_yaml_args() -> dict[str, Any]:
     return deploy_yaml()["applications"][0]["args"]
 
 
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in patch.items():
-        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merge(out[key], value) if nested else value
-    return out
-
-
 def app_args(model: str, **overrides: Any) -> dict[str, Any]:
     """deploy.yaml's args, resized for tests (smaller cache and context, two engine replicas),
     with LoRA adapters (tests/lora_adapters.py)."""
+    from serve_app.config import merged
     from tests.lora_adapters import lora_adapters
 
     adapters = lora_adapters(model)
@@ -73,7 +66,7 @@ def app_args(model: str, **overrides: Any) -> dict[str, Any]:
         "ingress_replicas": {"num_replicas": 1, "num_cpus": 0.25},
         "autoscaling": None,  # a fixed count; tests/serve/test_controller.py scales its own app
     }
-    return _merge(_merge(deploy_yaml_args(), test_sizes), overrides)
+    return merged(merged(deploy_yaml_args(), test_sizes), overrides)
 
 
 NARROW_AUTH = {"Authorization": "Bearer narrow-key"}
@@ -121,10 +114,13 @@ class ServeCluster:
     def v1(self, app: str = "") -> str:
         return f"{self.base_url}{'/' + app if app else ''}/v1"
 
-    def engine_handle(self, app: str):
+    def engine_handle(self, app: str, model: str | None = None):
+        """The engine deployment of an app (`model`: of that model, where it serves several)."""
         from ray import serve
 
-        return serve.get_deployment_handle("EngineServer", app_name=app)
+        from serve_app.deploy.builder import deployment_name
+
+        return serve.get_deployment_handle(deployment_name("EngineServer", model), app_name=app)
 
     def replica_stats(self, app: str, num_replicas: int, timeout: float = 20.0) -> dict[str, dict]:
         """Stats of every engine replica of an app, keyed by replica id (polls until all seen)."""

@@ -2,14 +2,18 @@
 
     python -m cluster.tune --trace trace.jsonl --slo ttft=2 --slo itl=0.1 [--attainment 0.9]
     python -m cluster.tune --workload diurnal --rate 30 --duration 3600 --slo ttft=2 ...
-        [--model Llama-2-7B --gpu A100-80GB | --calibration calibration.json]
+        [--model Llama-2-7B [--model SERVED=NAME ...] --gpu A100-80GB
+         | --calibration calibration.json]
         [--set max_num_seqs=64,128,256 --set policy=static,combined --set max_replicas=8 ...]
         [--trials 40] [--workers 2] [--out reports/tune] [--json]
 
 The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py)
-or a named generator. A setting runs the real scheduler over the trace on a fleet of
-simulated replicas (cluster/cluster_sim.py); `--trials` whole-trace runs are the budget of
-the search (cluster/tune/search.py: successive halving where the grid is larger). SLOs:
+or a named generator. A trace with a `model` column (an app serving several models) is tuned
+model by model, each on its own replicas (`--model SERVED=NAME` gives each its cost model),
+and tuned.yaml holds deploy.yaml's `models:` entries. A setting runs the real scheduler
+over the trace on a fleet of simulated replicas (cluster/cluster_sim.py); `--trials`
+whole-trace runs are the budget of the search (cluster/tune/search.py: successive halving
+where the grid is larger). SLOs:
 per-request objectives (ttft, itl, e2e, in seconds) that `--attainment` of requests must
 meet, and percentiles (ttft_p99, ...) that must not exceed their value. Knobs:
 cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto front of
@@ -24,18 +28,21 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace
 from cluster.tune.report import PERCENTILES, Target, cheapest, write
 from cluster.tune.search import Problem, plan, search
 from cluster.tune.space import DEFAULT_SPACE, Setting, Space, parse_knob
-from cluster.workload import NAMED_WORKLOADS, named_workload
+from cluster.workload import NAMED_WORKLOADS, SimRequest, named_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams, GpuSpec, ModelSpec
 
 
@@ -63,15 +70,41 @@ def parse_target(slos: list[str], attainment: float) -> Target:
     return Target(slo, attainment, percentiles)
 
 
-def replica_spec(opts) -> tuple[ModelSpec, GpuSpec, CostParams, str]:
+def replica_spec(opts, model_name: str) -> tuple[ModelSpec, GpuSpec, CostParams, str]:
     if opts.calibration:
         cal = json.loads(Path(opts.calibration).read_text())
         model = ModelSpec.from_hf_config(cal["model"], dtype_bytes=4)
         gpu = GpuSpec(**cal["device"])
         return model, gpu, CostParams(**cal["params"]), f"{cal['model']} on {gpu.name} (calibrated)"
-    if opts.model not in MODELS or opts.gpu not in GPUS:
+    if model_name not in MODELS or opts.gpu not in GPUS:
         raise ValueError(f"--model one of {list(MODELS)}; --gpu one of {list(GPUS)}")
-    return MODELS[opts.model], GPUS[opts.gpu], CostParams(), f"{opts.model} on {opts.gpu}"
+    return MODELS[model_name], GPUS[opts.gpu], CostParams(), f"{model_name} on {opts.gpu}"
+
+
+def cost_models(texts: list[str], served: list[str | None]) -> dict[str | None, str]:
+    """The cost model of each served model: `--model NAME` for all, `--model SERVED=NAME`
+    for one (the trace's `model` column names the served models)."""
+    default, named = "Llama-2-7B", {}
+    for text in texts:
+        who, _, name = text.rpartition("=")
+        if who:
+            named[who] = name
+        else:
+            default = name
+    unknown = set(named) - set(served)
+    if unknown:
+        raise ValueError(f"--model {sorted(unknown)[0]}=...: the trace names no such model")
+    return {who: named.get(who or "", default) for who in served}
+
+
+def by_model(trace: list[SimRequest]) -> dict[str | None, list[SimRequest]]:
+    """The trace's requests per served model (its `model` column); {None: trace} without one."""
+    groups: dict[str | None, list[SimRequest]] = {}
+    for request in trace:
+        groups.setdefault(request.model, []).append(request)
+    if None in groups and len(groups) > 1:
+        raise ValueError("--trace: some rows name a `model` and some do not")
+    return dict(sorted(groups.items(), key=lambda kv: kv[0] or ""))
 
 
 def _share(fraction: float) -> str:
@@ -85,13 +118,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     source.add_argument("--workload", choices=NAMED_WORKLOADS)
     parser.add_argument("--rate", type=float, default=20.0, help="--workload: requests/s")
     parser.add_argument("--duration", type=float, default=1800.0, help="--workload: seconds")
-    parser.add_argument("--model", default="Llama-2-7B", help=f"one of {list(MODELS)}")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help=f"NAME or SERVED=NAME (one per served model of the trace), NAME one of {list(MODELS)}",
+    )
     parser.add_argument("--gpu", default="A100-80GB", help=f"one of {list(GPUS)}")
     parser.add_argument("--calibration", help="a loadtests.calibrate JSON (model and device)")
     parser.add_argument("--slo", action="append", default=[], help="ttft=S, itl=S, e2e=S, ...")
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--set", action="append", default=[], help="KNOB=V1,V2,...")
-    parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--trials", type=int, default=40, help="per served model")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="reports/tune")
@@ -105,14 +143,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         points = space.points()
         for p in (points[0], points[-1]):
             space.setting(p).check()
-        model, gpu, cost, replica_name = replica_spec(opts)
         if opts.trace:
             trace, what = load_trace(opts.trace), opts.trace
         else:
             trace = named_workload(opts.workload, opts.rate, opts.duration, opts.seed)
             what = f"{opts.workload} at {opts.rate:g} req/s for {opts.duration:g} s"
+        groups = by_model(trace)
+        costs = cost_models(opts.model, list(groups))
+        specs = {who: replica_spec(opts, name) for who, name in costs.items()}
     except (ValueError, TraceError, OSError) as exc:
         parser.error(str(exc))
+    out = Path(opts.out)
+    if None in groups:
+        result = _tune(opts, target, space, trace, what, specs[None], out)
+    else:  # each model on its own replicas: its own requests, its own search
+        results = {
+            who: _tune(opts, target, space, rows, f"{what}, {who}", specs[who], out / _slug(who))
+            for who, rows in groups.items()
+            if who is not None
+        }
+        _write_models(out, results)
+        result = {"models": results}
+    if opts.json:
+        print(json.dumps(result, default=str))
+    return result
+
+
+def _tune(
+    opts,
+    target: Target,
+    space: Space,
+    trace: list[SimRequest],
+    what: str,
+    spec: tuple[ModelSpec, GpuSpec, CostParams, str],
+    out: Path,
+) -> dict[str, Any]:
+    """One search over `trace` on replicas of `spec`, reported under `out`."""
+    model, gpu, cost, replica_name = spec
     title = f"{what} ({len(trace)} requests), {replica_name}"
     rounds = plan(space.size, opts.trials)
     runs = sum(count for count, _ in rounds)
@@ -122,7 +189,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         how = f"successive halving ({rungs}), then up to {rounds[-1][0]} around the front"
     print(f"{title}: {space.size} settings; {how}", file=sys.stderr)
     problem = Problem(trace, model, gpu, cost, target.slo)
-    out = Path(opts.out)
     started = time.perf_counter()
     count = [0]
 
@@ -154,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print((out / "report.md").read_text())
     if summary["chosen"] is not None:
         print((out / "tuned.yaml").read_text())
-    result = {
+    return {
         "trials": len(trials),
         "complete": complete,
         "target": {"slo": asdict(target.slo), "attainment": target.attainment}
@@ -165,6 +231,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         "replica_hours_simulated": sum(t["replica_hours"] for t in trials),
     }
-    if opts.json:
-        print(json.dumps(result, default=str))
-    return result
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _write_models(out: Path, results: dict[str | None, dict[str, Any]]) -> None:
+    """tuned.yaml of a multi-model trace: deploy.yaml's `models:`, an entry per model whose
+    search met the target (each model's report under its own folder)."""
+    entries = []
+    for who, result in results.items():
+        if result.get("chosen") is None:
+            continue
+        setting = Setting(**result["chosen"]["setting"]).deploy_args()
+        entries.append({"model": who, "served_model_name": who} | setting)
+    missed = [str(who) for who, result in results.items() if result.get("chosen") is None]
+    header = "# python -m cluster.tune: each model's cheapest setting meeting the target\n"
+    header += "# (simulated; `model`: put each one's checkpoint there)\n"
+    if missed:
+        header += f"# no setting met the target for: {', '.join(missed)} (see their report.md)\n"
+    body = yaml.safe_dump({"models": entries}, sort_keys=False, default_flow_style=False)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tuned.yaml").write_text(header + body)
+    print(header + body)

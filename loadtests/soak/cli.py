@@ -59,12 +59,13 @@ def app_args(model: str) -> dict[str, Any]:
 def engine_stats(
     handle, app: str = APP, count: int | None = None, timeout: float = 60.0
 ) -> dict[str, dict]:
-    """Stats of every live engine replica of `app`, each asked by its id (the router sends a
-    plain call to the least loaded replica, so polling could miss a busy one); {} unless all
-    of them (and `count` of them, when given) answer within `timeout`."""
+    """Stats of every live engine replica of `handle`'s deployment in `app`, each asked by its
+    id (the router sends a plain call to the least loaded replica, so polling could miss a
+    busy one); {} unless all of them (and `count` of them, when given) answer within
+    `timeout`."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{app}#EngineServer#"
+    prefix = f"SERVE_REPLICA::{app}#{handle.deployment_name}#"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         names = ray.util.list_named_actors(all_namespaces=True)  # the live ones

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -31,66 +32,43 @@ _REQUESTS_COUNTED_AT_REPLICAS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDL
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
-    """The OpenAI ingress bound to its engine replicas, built from validated AppArgs."""
+    """The OpenAI ingress bound to the engine replicas of each model it serves, built from
+    validated AppArgs."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     app_args.check_sources()  # a model that cannot be fetched fails the deploy, naming it
-    plain = app_args.model_dump()
+    models = app_args.per_model()
     # The control plane's actors: no CPU of their own, on the nodes deploy.yaml says.
     control = {"num_cpus": 0, "resources": dict(app_args.controller.resources)}
-    controller = None
-    if app_args.controller.enabled:
-        controller = ClusterController.options(ray_actor_options=control).bind(
-            app_args.batching.factory(app_args.engine.max_num_seqs),
-            app_args.controller.stale_after_s,
-        )
-    # Engine metrics for /metrics go through their own board, not the controller.
+    # Engine metrics for /metrics go through their own board, not the controllers.
     board = EngineMetricsBoard.options(ray_actor_options=control).bind(
-        app_args.model_name, app_args.controller.stale_after_s
+        app_args.controller.stale_after_s
     )
-    lora_board = None
-    if app_args.engine.lora.enabled:  # the adapters served, for every ingress replica
-        lora_board = LoRABoard.options(ray_actor_options=control).bind(
-            dict(app_args.engine.lora.adapters)
-        )
     store = None
     if app_args.api.stored_responses:  # the Responses API's, outliving any ingress replica
         store = ResponseStore.options(ray_actor_options=control).bind(
             app_args.api.stored_responses, app_args.api.stored_response_ttl_s
         )
     cpus = RayCpus.found()
-    engine_share = engine_cpus(app_args, cpus)
-    actor_options, placement = _engine_placement(app_args, engine_share)
-    # The replica's handles (to the controller and the metrics board) route on its own loop:
-    # a router thread of their own would wake for nothing most of the time, beside the engine.
-    # Serve counts a replica's ongoing requests where they run, not at the ingress's handle,
-    # which most calls bypass (serve_app/transport/direct_calls.py).
-    engine_env = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"} | _REQUESTS_COUNTED_AT_REPLICAS
-    scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
-    if app_args.autoscaling is not None:
-        fit = engine_replicas_that_fit(app_args, engine_share, cpus)
-        scaling = {
-            "num_replicas": "auto",
-            "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit),
-        }
-        # The replica reads its metrics push period from the environment at import.
-        engine_env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(
-            app_args.autoscaling.metrics_interval_s
-        )
-    actor_options["runtime_env"] = {"env_vars": engine_env}
-    engine = EngineServer.options(
-        **scaling,
-        max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
-        health_check_period_s=app_args.health.check_period_s,
-        health_check_timeout_s=app_args.health.check_timeout_s,
-        graceful_shutdown_timeout_s=app_args.health.graceful_shutdown_timeout_s,
-        ray_actor_options=actor_options,
-        **placement,
-        request_router_config=RequestRouterConfig(
-            request_router_class="serve_app.transport.router:LoadAwareRouter",
-            request_router_kwargs=app_args.routing.model_dump(),
-            request_routing_stats_period_s=1.0,
-        ),
-    ).bind(plain, controller, board)
+    engines, controllers, lora_boards = [], [], []
+    for model_args in models:
+        named = model_args.model_name if len(models) > 1 else None
+        controller = None
+        if model_args.controller.enabled:
+            controller = ClusterController.options(
+                name=deployment_name(ClusterController.name, named), ray_actor_options=control
+            ).bind(
+                model_args.batching.factory(model_args.engine.max_num_seqs),
+                model_args.controller.stale_after_s,
+            )
+        lora_board = None
+        if model_args.engine.lora.enabled:  # the adapters served, for every ingress replica
+            lora_board = LoRABoard.options(
+                name=deployment_name(LoRABoard.name, named), ray_actor_options=control
+            ).bind(dict(model_args.engine.lora.adapters))
+        engine = _engine(model_args, named, controller, board, cpus, len(models))
+        engines.append(engine)
+        controllers.append(controller)
+        lora_boards.append(lora_board)
     ingress_res = app_args.ingress_replicas
     return OpenAIIngress.options(
         num_replicas=ingress_res.num_replicas,
@@ -116,7 +94,62 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 | _REQUESTS_COUNTED_AT_REPLICAS
             },
         },
-    ).bind(engine, plain, controller, board, lora_board, store)
+    ).bind(engines, [m.model_dump() for m in models], controllers, board, lora_boards, store)
+
+
+def deployment_name(base: str, model_name: str | None) -> str:
+    """A model's deployment: `base` where the app serves one model; else `base` and the
+    model's served name (characters other than letters, digits, `_`, `.` and `-` as `_`), so
+    each model's deployments keep their names while models come and go."""
+    if model_name is None:
+        return base
+    return f"{base}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}"
+
+
+def _engine(
+    app_args: AppArgs,
+    named: str | None,
+    controller: Application | None,
+    board: Application,
+    cpus: RayCpus,
+    num_models: int,
+) -> Application:
+    """One model's engine deployment (`named`: the model's name where the app serves
+    several)."""
+    engine_share = engine_cpus(app_args, cpus, num_models)
+    actor_options, placement = _engine_placement(app_args, engine_share)
+    # The replica's handles (to the controller and the metrics board) route on its own loop:
+    # a router thread of their own would wake for nothing most of the time, beside the engine.
+    # Serve counts a replica's ongoing requests where they run, not at the ingress's handle,
+    # which most calls bypass (serve_app/transport/direct_calls.py).
+    engine_env = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"} | _REQUESTS_COUNTED_AT_REPLICAS
+    scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
+    if app_args.autoscaling is not None:
+        fit = engine_replicas_that_fit(app_args, engine_share, cpus, num_models)
+        scaling = {
+            "num_replicas": "auto",
+            "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit),
+        }
+        # The replica reads its metrics push period from the environment at import.
+        engine_env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(
+            app_args.autoscaling.metrics_interval_s
+        )
+    actor_options["runtime_env"] = {"env_vars": engine_env}
+    return EngineServer.options(
+        name=deployment_name(EngineServer.name, named),
+        **scaling,
+        max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
+        health_check_period_s=app_args.health.check_period_s,
+        health_check_timeout_s=app_args.health.check_timeout_s,
+        graceful_shutdown_timeout_s=app_args.health.graceful_shutdown_timeout_s,
+        ray_actor_options=actor_options,
+        **placement,
+        request_router_config=RequestRouterConfig(
+            request_router_class="serve_app.transport.router:LoadAwareRouter",
+            request_router_kwargs=app_args.routing.model_dump(),
+            request_routing_stats_period_s=1.0,
+        ),
+    ).bind(app_args.model_dump(), controller, board)
 
 
 def _engine_placement(app_args: AppArgs, num_cpus: float) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -41,8 +41,9 @@ def ingress_cpus(args: AppArgs) -> float:
     return args.ingress_replicas.num_cpus * args.ingress_replicas.num_replicas
 
 
-def engine_cpus(args: AppArgs, cpus: RayCpus) -> float:
-    """`engine_replicas.num_cpus`, resolved where it is auto."""
+def engine_cpus(args: AppArgs, cpus: RayCpus, num_models: int = 1) -> float:
+    """`engine_replicas.num_cpus`, resolved where it is auto (`num_models`: the models of
+    the app, which share what the node has left evenly)."""
     share = args.engine_replicas.num_cpus
     if share != "auto":
         return share
@@ -52,13 +53,16 @@ def engine_cpus(args: AppArgs, cpus: RayCpus) -> float:
     if engine.device != "cpu":
         return 1.0
     threads = engine.num_threads * engine.tensor_parallel_size if engine.num_threads else None
-    left = cpus.node - ingress_cpus(args)
+    left = (cpus.node - ingress_cpus(args)) / num_models
     return max(min(threads or cpus.node, left), 0.5)
 
 
-def engine_replicas_that_fit(args: AppArgs, engine: float, cpus: RayCpus) -> int | None:
-    """How many engine replicas of `engine` CPUs the cluster holds beside the ingress (None:
-    they reserve no CPU)."""
+def engine_replicas_that_fit(
+    args: AppArgs, engine: float, cpus: RayCpus, num_models: int = 1
+) -> int | None:
+    """How many engine replicas of `engine` CPUs the cluster holds beside the ingress, in
+    one model's even share of it (None: they reserve no CPU)."""
     if engine <= 0:
         return None
-    return max(1, math.floor((cpus.cluster - ingress_cpus(args)) / engine + 1e-9))
+    left = (cpus.cluster - ingress_cpus(args)) / num_models
+    return max(1, math.floor(left / engine + 1e-9))

@@ -97,7 +97,7 @@ def main() -> int:
         while child.poll() is None and time.monotonic() < deadline:
             if _answers(proxy):
                 base = next((url for url in direct if _answers(url)), proxy)
-                print(_examples(base, args.model_name, proxy), flush=True)
+                print(_examples(base, args.per_model()[0].model_name, proxy), flush=True)
                 break
             time.sleep(1.0)
         return child.wait()

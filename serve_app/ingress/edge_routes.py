@@ -1,6 +1,6 @@
 """The ingress's routes beside generation: /v1/models, /v1/models/{id}, /tokenize and
-/detokenize (vLLM's shapes), and the request-size limit, all reading the replica's
-`EdgeState` from the FastAPI app's state."""
+/detokenize (vLLM's shapes) of every model served, and the API keys and the request-size
+limit, all reading the replica's `EdgeState` from the FastAPI app's state."""
 
 from __future__ import annotations
 
@@ -15,40 +15,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.errors import InvalidParam
 from serve_app.ingress.api_policy import ApiArgs, key_accepted
-from serve_app.ingress.lora_names import AdapterNames
+from serve_app.ingress.served_models import ServedModel, ServedModels
 from serve_app.openai.errors import OpenAIError
-from serve_app.openai.prompts import PromptBuilder
 from serve_app.openai.protocol import ChatMessage
 
 
 @dataclass
 class EdgeState:
-    model_name: str
-    max_model_len: int
-    prompts: PromptBuilder
     api: ApiArgs
-    root: str  # the checkpoint directory
-    created: int
+    models: ServedModels
     api_keys: frozenset[str] = frozenset()
-    adapters: AdapterNames | None = None  # LoRA adapters, listed as models of their own
-    emulated: str | None = None  # engine.device emulated: what its replicas emulate
-    # engine.generation_config auto: the checkpoint's defaults of fields a request leaves out
-    generation_defaults: dict[str, float | int] | None = None
-
-    def card(self) -> dict[str, Any]:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "dynabatch",
-            "root": self.root,
-            "max_model_len": self.max_model_len,
-        }
-        if self.generation_defaults:
-            card["generation_defaults"] = self.generation_defaults
-        if self.emulated is not None:  # never mistaken for the model
-            card["emulated"] = f"{self.emulated}: no model, a fixed text at its step times"
-        return card
 
 
 class TokenizeRequest(BaseModel):
@@ -69,58 +45,59 @@ class DetokenizeRequest(BaseModel):
 router = APIRouter()
 
 
-def _edge(request: Request, model: str | None) -> EdgeState:
-    edge: EdgeState = request.app.state.edge
-    if model is not None and model != edge.model_name:
-        raise OpenAIError.model_not_found(model, edge.model_name)
-    return edge
+def _edge(request: Request) -> EdgeState:
+    return request.app.state.edge
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The base model, then each LoRA adapter (its `parent` the base, as vLLM lists them)."""
-    edge = _edge(request, None)
-    base = edge.card()
-    cards = [base]
-    if edge.adapters is not None:
-        for name, path in (await edge.adapters.listed()).items():
-            cards.append(base | {"id": name, "root": path, "parent": edge.model_name})
+    """Each model, then its LoRA adapters (their `parent` the model, as vLLM lists them)."""
+    cards = []
+    for served in _edge(request).models.all:
+        cards += await served.cards()
     return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict[str, Any]:
-    edge: EdgeState = request.app.state.edge
     for card in (await models(request))["data"]:
         if card["id"] == model_id:
             return card
-    raise OpenAIError.model_not_found(model_id, edge.model_name)
+    raise OpenAIError.model_not_found(model_id, _edge(request).models.names)
+
+
+async def _picked(request: Request, model: str | None) -> ServedModel:
+    """The model a tokenizer route's `model` names (None: the first); a 404 naming another."""
+    served = await _edge(request).models.pick(model)
+    if model is not None and model != served.name:
+        raise OpenAIError.model_not_found(model, _edge(request).models.names)
+    return served
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    edge = _edge(request, body.model)
+    served = await _picked(request, body.model)
     try:
         if body.messages is not None:
-            tokens = edge.prompts.chat(body.messages)
+            tokens = served.prompts.chat(body.messages)
         elif body.prompt is not None:
-            tokens = edge.prompts.completion(body.prompt)
+            tokens = served.prompts.completion(body.prompt)
         else:
             raise InvalidParam("prompt", "prompt: send `prompt` or `messages`")
     except InvalidParam as exc:
         raise OpenAIError.bad_request(exc) from None
-    return {"count": len(tokens), "max_model_len": edge.max_model_len, "tokens": tokens}
+    return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    edge = _edge(request, body.model)
-    vocab = edge.prompts.vocab_size
+    served = await _picked(request, body.model)
+    vocab = served.prompts.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         message = f"tokens: token id {bad} is outside the vocabulary [0, {vocab})"
         raise OpenAIError(400, message, param="tokens")
-    return {"prompt": edge.prompts.tokenizer.decode(body.tokens)}
+    return {"prompt": served.prompts.tokenizer.decode(body.tokens)}
 
 
 def install_edge(app: FastAPI) -> None:

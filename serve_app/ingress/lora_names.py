@@ -33,7 +33,13 @@ class AdapterNames:
                 path = await self.load(name, str(self._searched(name)))
             if path is not None:
                 return name, path
-        raise OpenAIError.model_not_found(model, self.base)
+        raise OpenAIError.model_not_found(model, [self.base])
+
+    async def serves(self, name: str) -> bool:
+        """Whether `name` is one of these adapters (loaded, or in the search path)."""
+        if self.board is None or not name or ":" in name or "/" in name:
+            return False
+        return self._searched(name) is not None or await self.board.get.remote(name) is not None
 
     async def listed(self) -> dict[str, str]:
         """Every adapter a request may name now: loaded ones and the search path's."""

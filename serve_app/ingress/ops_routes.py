@@ -1,64 +1,83 @@
 """What the ingress's operations routes answer: GET /health (for load balancers), /metrics
-(Prometheus: the ingress's own and the engine replicas'), /v1/cluster (the controller's
-view). The routes are the OpenAIIngress class's own (serve_app/ingress/deployment.py)."""
+(Prometheus: the ingress's own and the engine replicas'), /v1/cluster (the controllers'
+views). The routes are the OpenAIIngress class's own (serve_app/ingress/deployment.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import AppArgs
+from serve_app.ingress.served_models import ServedModel, ServedModels
 from serve_app.observability.telemetry import IngressMetrics
 from serve_app.openai.errors import OpenAIError
+from serve_app.replica.health import HealthArgs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class OpsState:
-    args: AppArgs
-    engine: DeploymentHandle
+    models: ServedModels
     metrics: IngressMetrics
     metrics_board: DeploymentHandle | None
-    controller: DeploymentHandle | None
+    health: HealthArgs
+    report_timeout_s: float  # controller.report_timeout_s
 
 
 async def health(ops: OpsState) -> Response:
-    """200 while an engine replica answers its health check; else 503 with the reason (for
-    load balancers: this ingress can serve nothing then)."""
-    try:
-        timeout = ops.args.health.check_timeout_s
-        await asyncio.wait_for(ops.engine.check_health.remote(), timeout)
-    except Exception as exc:  # none running, all failing, or none answering in time
-        reason = f"no engine replica is healthy: {type(exc).__name__}: {exc}"[:500]
-        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    """200 while every model has an engine replica that answers its health check; else 503
+    naming the models without one (for load balancers: this ingress cannot serve them)."""
+
+    async def reason(served: ServedModel) -> str | None:
+        try:
+            await asyncio.wait_for(served.engine.check_health.remote(), ops.health.check_timeout_s)
+        except Exception as exc:  # none running, all failing, or none answering in time
+            return f"no engine replica is healthy: {type(exc).__name__}: {exc}"[:500]
+        return None
+
+    models = ops.models.all
+    reasons = await asyncio.gather(*(reason(served) for served in models))
+    failing = {served.name: why for served, why in zip(models, reasons, strict=True) if why}
+    if not failing:
+        return JSONResponse({"status": "ok"})
+    body: dict[str, Any] = {"status": "unhealthy"}
+    if len(models) == 1:
+        body["reason"] = reasons[0]
+    else:
+        body["reason"] = "; ".join(f"{name}: {why}" for name, why in failing.items())
+        body["models"] = {served.name: failing.get(served.name, "ok") for served in models}
+    return JSONResponse(body, status_code=503)
 
 
 async def metrics(ops: OpsState) -> Response:
     body = ops.metrics.render()
     if ops.metrics_board is not None:
         try:
-            timeout = ops.args.controller.report_timeout_s
-            body += await asyncio.wait_for(ops.metrics_board.render.remote(), timeout)
+            body += await asyncio.wait_for(ops.metrics_board.render.remote(), ops.report_timeout_s)
         except Exception as exc:  # an engine replica restarting: the ingress's own only
             logger.warning("engine metrics unavailable: %r", exc)
     return Response(body, media_type=ops.metrics.content_type)
 
 
 async def cluster(ops: OpsState) -> Response:
-    """The controller's view: per replica stats, limits and decisions (cluster.status)."""
-    if ops.controller is None:
-        message = "the cluster controller is disabled (controller.enabled)"
-        return OpenAIError.server_error(503, message).response()
-    try:
-        timeout = ops.args.controller.report_timeout_s
-        view = await asyncio.wait_for(ops.controller.status.remote(), timeout)
-    except Exception as exc:  # restarting: the view comes back with the next reports
-        message = f"cluster controller unavailable: {type(exc).__name__}"
-        return OpenAIError.server_error(503, message).response()
-    return JSONResponse(view)
+    """The controller's view: per replica stats, limits and decisions (cluster.status); with
+    several models, each model's under `models`."""
+    views = {}
+    for served in ops.models.all:
+        if served.controller is None:
+            message = "the cluster controller is disabled (controller.enabled)"
+            return OpenAIError.server_error(503, message).response()
+        try:
+            call = served.controller.status.remote()
+            views[served.name] = await asyncio.wait_for(call, ops.report_timeout_s)
+        except Exception as exc:  # restarting: the view comes back with the next reports
+            message = f"cluster controller of {served.name} unavailable: {type(exc).__name__}"
+            return OpenAIError.server_error(503, message).response()
+    if len(views) == 1:
+        return JSONResponse(views[ops.models.first.name])
+    return JSONResponse({"models": views})

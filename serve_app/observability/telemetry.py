@@ -14,13 +14,13 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class IngressMetrics:
-    """Counters and latency histograms; each instance owns its registry (no globals)."""
+    """Counters and latency histograms of every model the ingress serves (each model's
+    through its ModelMetrics); each instance owns its registry (no globals)."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.model_name = model_name
         self.requests = Counter(
             "dynabatch_requests",
             "HTTP requests answered, by endpoint and status code.",
@@ -62,12 +62,32 @@ class IngressMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._paths = _PathCollector()
+        self.registry.register(self._paths)
+
+    def model(self, model_name: str) -> ModelMetrics:
+        return ModelMetrics(self, model_name)
+
+    def watch_path(self, client: EngineClient) -> None:
+        """Export what the path to a model's engine replicas counts (serve_app/transport),
+        summed over the models."""
+        self._paths.clients.append(client)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's share of the ingress's metrics: its `model` label."""
+
+    def __init__(self, metrics: IngressMetrics, model_name: str) -> None:
+        self.metrics, self.model_name = metrics, model_name
 
     def sequence_resumed(self) -> None:
-        self.resumed.labels(self.model_name).inc()
+        self.metrics.resumed.labels(self.model_name).inc()
 
     def answered(self, endpoint: str, status: int) -> None:
-        self.requests.labels(self.model_name, endpoint, str(status)).inc()
+        self.metrics.requests.labels(self.model_name, endpoint, str(status)).inc()
 
     def completed(
         self,
@@ -77,20 +97,13 @@ class IngressMetrics:
         ttft_s: float | None,
         e2e_s: float,
     ) -> None:
-        m = self.model_name
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(output_tokens)
-        self.finished.labels(m, finish_reason or "abort").inc()
+        m, metrics = self.model_name, self.metrics
+        metrics.prompt_tokens.labels(m).inc(prompt_tokens)
+        metrics.generation_tokens.labels(m).inc(output_tokens)
+        metrics.finished.labels(m, finish_reason or "abort").inc()
         if ttft_s is not None:
-            self.ttft.labels(m).observe(ttft_s)
-        self.e2e.labels(m).observe(e2e_s)
-
-    def watch_path(self, client: EngineClient) -> None:
-        """Export what the path to the engine replicas counts (serve_app/transport)."""
-        self.registry.register(_PathCollector(client))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+            metrics.ttft.labels(m).observe(ttft_s)
+        metrics.e2e.labels(m).observe(e2e_s)
 
 
 class _PathCollector:
@@ -99,28 +112,35 @@ class _PathCollector:
     engine step per engine replica), the deltas in them, and the wake-ups of the responses that
     read them (at most one per response per step: never one per token)."""
 
-    def __init__(self, client: EngineClient) -> None:
-        self.client = client
+    def __init__(self) -> None:
+        self.clients: list[EngineClient] = []
 
     def collect(self):
+        clients = self.clients
         counts = {
             "engine_calls_direct": (
                 "Engine calls sent to the chosen replica's actor directly.",
-                self.client.num_direct_calls,
+                sum(client.num_direct_calls for client in clients),
             ),
             "engine_calls_routed": (
                 "Engine calls sent through Serve's handle.",
-                self.client.num_handle_calls,
+                sum(client.num_handle_calls for client in clients),
             ),
         }
-        channels = self.client.channels
-        if channels is not None:
+        channels = [client.channels for client in clients if client.channels is not None]
+        if channels:
             counts |= {
-                "channel_messages": ("Delta channel messages taken.", channels.num_messages),
-                "channel_deltas": ("Request deltas those messages held.", channels.num_deltas),
+                "channel_messages": (
+                    "Delta channel messages taken.",
+                    sum(c.num_messages for c in channels),
+                ),
+                "channel_deltas": (
+                    "Request deltas those messages held.",
+                    sum(c.num_deltas for c in channels),
+                ),
                 "response_wakeups": (
                     "Wake-ups of streamed responses for deltas.",
-                    channels.num_wakeups,
+                    sum(c.num_wakeups for c in channels),
                 ),
             }
         for name, (doc, value) in counts.items():
@@ -148,12 +168,11 @@ class _EngineCollector:
     """The deployment's engine replicas as the metrics board last heard them, with the
     metric names vLLM uses (prefix `dynabatch:` where vLLM has `vllm:`)."""
 
-    def __init__(self, model_name: str, latest) -> None:
-        self.model_name, self.latest = model_name, latest
+    def __init__(self, latest) -> None:
+        self.latest = latest
 
     def collect(self):
-        m = self.model_name
-        rows = [((m, stats.replica_id), stats, decision) for stats, decision in self.latest]
+        rows = [((m, stats.replica_id), stats, decision) for m, stats, decision in self.latest]
         gauges = {
             "num_requests_running": (
                 "Requests in the running batch.",
@@ -181,9 +200,12 @@ class _EngineCollector:
             for labels, stats, decision in rows:
                 family.add_metric(labels, float(value(stats, decision)))
             yield family
-        yield GaugeMetricFamily(
-            "dynabatch:num_engine_replicas", "Engine replicas reporting.", value=len(rows)
+        replicas = GaugeMetricFamily(
+            "dynabatch:num_engine_replicas", "Engine replicas reporting.", labels=["model_name"]
         )
+        for model in sorted({m for m, _, _ in self.latest}):
+            replicas.add_metric([model], float(sum(m == model for m, _, _ in self.latest)))
+        yield replicas
         info = GaugeMetricFamily(
             "dynabatch:attention_backend_info",
             "The attention kernels each engine replica runs, and why (always 1).",
@@ -311,9 +333,9 @@ def _spec_decode_families(rows):
     yield per_position
 
 
-def render_engine_metrics(model_name: str, latest) -> bytes:
-    """Prometheus text for the engine replicas (`latest`: each replica's last (stats,
-    decision) pair)."""
+def render_engine_metrics(latest) -> bytes:
+    """Prometheus text for the engine replicas (`latest`: each replica's model name and last
+    (stats, decision) pair)."""
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(model_name, latest))
+    registry.register(_EngineCollector(latest))
     return generate_latest(registry)

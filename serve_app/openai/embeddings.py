@@ -48,7 +48,8 @@ class EmbeddingRequest(BaseModel):
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
-    return await request.app.state.embeddings.create(body)
+    served = await request.app.state.models.pick(body.model)
+    return await served.embeddings.create(body)
 
 
 class EmbeddingsService:

@@ -32,8 +32,9 @@ class OpenAIError(Exception):
         return cls(400, str(exc), param=exc.param)
 
     @classmethod
-    def model_not_found(cls, model: str, served: str) -> OpenAIError:
-        message = f"The model `{model}` does not exist; this server serves `{served}`"
+    def model_not_found(cls, model: str, served: list[str]) -> OpenAIError:
+        listed = ", ".join(f"`{name}`" for name in served)
+        message = f"The model `{model}` does not exist; this server serves {listed}"
         return cls(404, message, param="model", code="model_not_found")
 
     @classmethod

@@ -260,11 +260,12 @@ class EngineServer:
 
     async def _metrics_loop(self, board: DeploymentHandle) -> None:
         """Push this replica's metrics to the board every report interval, controller or not."""
-        control = self.args.controller
+        control, name = self.args.controller, self.args.model_name
         while True:
             await asyncio.sleep(control.report_interval_s)
             try:
-                call = board.push.remote(self.replica_stats(take_latencies=False), self.decision)
+                stats = self.replica_stats(take_latencies=False)
+                call = board.push.remote(name, stats, self.decision)
                 await asyncio.wait_for(call, control.report_timeout_s)
             except asyncio.CancelledError:
                 raise

@@ -30,14 +30,28 @@ def chaos_args(model: str, **overrides: Any) -> dict[str, Any]:
     return app_args(model, request_timeout_s=60, health=health, api=api, **overrides)
 
 
+# The chaos app's second model: another architecture (other weights, other tokens), one
+# engine replica of its own, beside `tiny`'s two; its streams must not notice a fault of
+# `tiny`'s replicas.
+OTHER = "tiny-qwen3"
+
+
 def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:
-    """(Re)deploy the chaos app; returns once it runs."""
+    """(Re)deploy the chaos app, `tiny` and OTHER; returns once it runs."""
     from ray import serve
 
     from serve_app import build_app
+    from tests.conftest import tiny_model_dir
 
     args = chaos_args(serve_cluster.model, **overrides)
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    tiny = {"model": args.pop("model"), "served_model_name": args.pop("served_model_name")}
+    other = {
+        "model": tiny_model_dir("qwen3"),
+        "served_model_name": OTHER,
+        "engine": {"lora": {"enabled": False, "adapters": {}, "search_path": None}},
+        "engine_replicas": {"num_replicas": 1},
+    }
+    serve.run(build_app(args | {"models": [tiny, other]}), name=APP, route_prefix=f"/{APP}")
 
 
 @pytest.fixture(scope="package")  # gone after tests/chaos: idle replicas still cost CPU
@@ -88,11 +102,31 @@ async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]
     return list(await asyncio.gather(*tasks))
 
 
+async def run_other(base_url: str) -> list[str]:
+    """OTHER's streams beside run_all's: 4 streamed, greedy; returns their texts."""
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=READ_TIMEOUT_S
+    )
+
+    async def streamed(prompt: str) -> str:
+        stream = await client.completions.create(
+            model=OTHER,
+            prompt=prompt,
+            max_tokens=300,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    return list(await asyncio.gather(*(streamed(f"Other {i}: far away") for i in range(4))))
+
+
 def engine_replica_stats(serve_cluster: ServeCluster, timeout: float = 60.0) -> dict[str, dict]:
     """Stats of every live engine replica of the chaos app, each asked by its id."""
     from loadtests.soak.cli import engine_stats
 
-    seen = engine_stats(serve_cluster.engine_handle(APP), APP, timeout=timeout)
+    seen = engine_stats(serve_cluster.engine_handle(APP, "tiny"), APP, timeout=timeout)
     assert seen, f"the {APP} app's engine replicas did not all answer within {timeout:g} s"
     return seen
 
@@ -109,11 +143,11 @@ async def run_with_fault(base_url: str, fault: Callable[[], None]) -> list[str]:
     return await task
 
 
-def sequences_resumed(app_url: str) -> float:
-    """The app's count of sequences resumed at another replica (its /metrics)."""
+def sequences_resumed(app_url: str, model: str = "tiny") -> float:
+    """The app's count of `model`'s sequences resumed at another replica (its /metrics)."""
     metrics = httpx.get(f"{app_url}/metrics", timeout=10).text
     for line in metrics.splitlines():
-        if line.startswith("dynabatch_sequences_resumed_total{"):
+        if line.startswith(f'dynabatch_sequences_resumed_total{{model="{model}"}}'):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

@@ -19,7 +19,14 @@ import httpx
 import openai
 import pytest
 
-from tests.chaos.conftest import APP, engine_replica_stats, run_all, sequences_resumed
+from tests.chaos.conftest import (
+    APP,
+    OTHER,
+    engine_replica_stats,
+    run_all,
+    run_other,
+    sequences_resumed,
+)
 from tests.local_serve import ServeCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,10 +84,20 @@ def undisturbed(serve_cluster, chaos_app) -> list[str]:
 
 
 def test_sigkill_of_an_engine_replica_mid_stream_loses_no_request(serve_cluster, undisturbed):
-    texts, recovered_s, after_s = asyncio.run(_disturbed(serve_cluster, signal.SIGKILL))
+    """The app's other model streams meanwhile from its own replica, untouched."""
+    other_alone = asyncio.run(run_other(serve_cluster.v1(APP)))
+    app_url = f"{serve_cluster.base_url}/{APP}"
+    other_resumed = sequences_resumed(app_url, OTHER)
+
+    async def beside_other() -> tuple[tuple[list[str], float, float], list[str]]:
+        other = asyncio.create_task(run_other(serve_cluster.v1(APP)))
+        return await _disturbed(serve_cluster, signal.SIGKILL), await other
+
+    (texts, recovered_s, after_s), other_texts = asyncio.run(beside_other())
     print(f"SIGKILL: all done {recovered_s:.1f} s after; a request sent after took {after_s:.2f} s")
     assert texts == undisturbed  # 16 of 16, token for token
     assert after_s < 15  # served by the survivor, not held for the replica's restart
+    assert other_texts == other_alone and sequences_resumed(app_url, OTHER) == other_resumed
     _free_everywhere(serve_cluster)
 
 
@@ -102,7 +119,8 @@ def test_health_answers_503_while_no_engine_replica_answers(serve_cluster, chaos
     try:
         resp = httpx.get(health, timeout=30)
         assert resp.status_code == 503, resp.text
-        assert resp.json()["reason"].startswith("no engine replica is healthy")
+        models = resp.json()["models"]  # the app's other model still serves
+        assert models["tiny"].startswith("no engine replica is healthy") and models[OTHER] == "ok"
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -127,7 +145,7 @@ def test_killing_the_controller_mid_stream_fails_no_request(serve_cluster, undis
         await kill.wait()
         before = await asyncio.to_thread(engine_replica_stats, serve_cluster)
         found = subprocess.run(
-            ["pgrep", "-f", f"ServeReplica:{APP}:ClusterController"],
+            ["pgrep", "-f", f"ServeReplica:{APP}:ClusterController-tiny( |$)"],
             capture_output=True,
             text=True,
         )

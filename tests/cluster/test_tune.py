@@ -39,6 +39,7 @@ SPACE = {
         ('{"arrival_s": 1, "prompt_len": 5, "output_len": "9"}', "output_len: must be an integer"),
         ('{"arrival_s": 1, "prompt_len": 5, "output_len": 2.5}', "output_len"),
         ('{"arrival_s": 1, "prompt_len": 5, "output_len": 5, "adapter": 3}', "adapter"),
+        ('{"arrival_s": 1, "prompt_len": 5, "output_len": 5, "model": ["m"]}', "model"),
         (
             '{"arrival_s": 0.5, "prompt_len": 5, "output_len": 5, "request_id": "a"}',
             "request_id: 'a' appears twice",
@@ -166,6 +167,41 @@ def test_cli_writes_report_fragment_and_pictures(tmp_path, capsys):
     assert (out / "front.png").stat().st_size > 0 and (out / "replicas.png").stat().st_size > 0
     assert "Pareto front" in (out / "report.md").read_text()
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["trials"] == 2
+
+
+def test_a_trace_of_two_models_tunes_each_and_writes_their_models_entries(tmp_path):
+    """Each model's own requests on its own replicas (and its own cost model): two searches,
+    one `models:` entry each in tuned.yaml, which AppArgs takes once the checkpoints are in."""
+    from dataclasses import replace
+
+    from serve_app.config import AppArgs
+
+    light = make_workload(150, 3.0, seed=3)
+    trace = [replace(r, model="chat") for r in TRACE]
+    trace += [replace(r, request_id=f"b{r.request_id}", model="acme/batch") for r in light]
+    save_trace(trace, tmp_path / "trace.jsonl")
+    assert {r.model for r in load_trace(tmp_path / "trace.jsonl")} == {"chat", "acme/batch"}
+    out = tmp_path / "out"
+    argv = ["--trace", str(tmp_path / "trace.jsonl"), "--slo", "ttft=2", "--slo", "itl=0.1"]
+    argv += ["--model", "Llama-2-7B", "--model", "acme/batch=Llama-2-13B"]
+    argv += ["--trials", "4", "--workers", "1", "--out", str(out)]
+    argv += [f"--set={k}={','.join(map(str, v))}" for k, v in SPACE.items()]
+    result = tune_main(argv)["models"]
+    assert set(result) == {"chat", "acme/batch"}
+    assert "Llama-2-13B" in (out / "acme_batch" / "report.md").read_text()
+    assert "Llama-2-7B" in (out / "chat" / "report.md").read_text()
+    entries = yaml.safe_load((out / "tuned.yaml").read_text())["models"]
+    assert [e["served_model_name"] for e in entries] == ["acme/batch", "chat"]
+    for entry in entries:
+        chosen = result[entry["served_model_name"]]["chosen"]["setting"]
+        assert {k: v for k, v in entry.items() if "model" not in k} == Setting(
+            **chosen
+        ).deploy_args()
+    models = [entry | {"model": "models/tiny"} for entry in entries]
+    app = AppArgs(models=models)
+    assert [a.model_name for a in app.per_model()] == ["acme/batch", "chat"]
+    with pytest.raises(SystemExit):  # a cost model for a model the trace does not name
+        tune_main(argv + ["--model", "nope=Llama-2-7B"])
 
 
 def test_cli_names_a_bad_knob_or_slo(tmp_path, capsys):

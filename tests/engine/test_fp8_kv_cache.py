@@ -167,7 +167,7 @@ def test_metrics_say_what_the_cache_holds(tiny_model):
 
     engine = build_engine(tiny_model, num_blocks=96, kv_cache_dtype="fp8_e4m3")
     stats = ReplicaStats("r1", engine.stats(), 0, 8, cache_dtype="fp8_e4m3", kv_block_size=4)
-    text = render_engine_metrics("tiny", [(stats, ControlDecision(engine.scheduler.limits))])
+    text = render_engine_metrics([("tiny", stats, ControlDecision(engine.scheduler.limits))])
     (sample,) = [
         s
         for family in text_string_to_metric_families(text.decode())

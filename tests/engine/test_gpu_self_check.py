@@ -130,7 +130,7 @@ def test_verdicts_are_exported_as_an_info_metric(tiny_model):
         self_check_verdicts=tuple((c.part, c.result, c.reason) for c in checks),
     )
     limits = engine.scheduler.limits
-    text = render_engine_metrics("tiny", [(stats, ControlDecision(limits))]).decode()
+    text = render_engine_metrics([("tiny", stats, ControlDecision(limits))]).decode()
     samples = [
         s
         for family in text_string_to_metric_families(text)

@@ -239,7 +239,7 @@ def test_spec_decode_counters_reach_metrics_and_the_controllers_view(tiny_model)
     spec = engine.stats().spec
     assert spec.num_drafts > 0 and sum(spec.accepted_per_position) == spec.num_accepted_tokens
     stats = ReplicaStats(replica_id="r1", scheduler=engine.stats(), num_streams=0, capacity=8)
-    text = render_engine_metrics("tiny", [(stats, ControlDecision(engine.scheduler.limits))])
+    text = render_engine_metrics([("tiny", stats, ControlDecision(engine.scheduler.limits))])
     samples = {
         (s.name, s.labels.get("position")): s.value
         for family in text_string_to_metric_families(text.decode())

@@ -130,3 +130,72 @@ def test_make_serve_stops_at_once_naming_a_model_that_cannot_be_fetched(tiny_mod
     assert proc.stderr.strip() == (
         f"{path}: model: acme/missing: not a local directory, nor a repo at {hub.endpoint}"
     )
+
+
+def test_several_models_take_the_top_level_fields_as_their_defaults():
+    args = AppArgs.model_validate(
+        deploy_yaml_args()
+        | {
+            "model": None,
+            "served_model_name": None,
+            "models": [
+                {"model": "models/tiny"},
+                {
+                    "model": "acme/small",
+                    "engine": {"max_num_seqs": 8, "lora": {"enabled": True}},
+                    "engine_replicas": {"num_replicas": 3},
+                    "autoscaling": None,
+                },
+            ],
+            "engine": deploy_yaml_args()["engine"] | {"block_size": 32},
+        }
+    )
+    tiny, small = args.per_model()
+    assert (tiny.model_name, small.model_name) == ("tiny", "acme/small")
+    assert tiny.engine == AppArgs.model_validate(deploy_yaml_args()).engine.model_copy(
+        update={"block_size": 32}
+    )  # nothing of its own: the top level's
+    # A section set in an entry is merged over the top level's key by key.
+    assert (small.engine.block_size, small.engine.max_num_seqs) == (32, 8)
+    assert small.engine.lora.enabled and small.engine.lora.max_loras == tiny.engine.lora.max_loras
+    assert small.engine_replicas.num_replicas == 3 and small.engine_replicas.num_cpus == "auto"
+    assert tiny.autoscaling is not None and small.autoscaling is None  # explicit null: fixed
+    assert tiny.api == small.api == args.api  # app-wide: entries cannot set it
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        (
+            {"model": "models/tiny", "models": [{"model": "models/tiny"}]},
+            "set either `model` or `models`",
+        ),
+        ({"model": None}, "model: required"),
+        (
+            {"model": None, "served_model_name": "tiny", "models": [{"model": "models/tiny"}]},
+            "served_model_name: with `models`, set in each entry",
+        ),
+        (
+            {
+                "model": None,
+                "served_model_name": None,
+                "models": [{"model": "models/tiny"}, {"model": "x/y", "served_model_name": "tiny"}],
+            },
+            "models[1].served_model_name: 'tiny' is also models[0]'s",
+        ),
+        (
+            {"models": [{"model": "models/tiny", "engine": {"max_num_seqs": 0}}]},
+            "models[0] (models/tiny): engine: max_num_seqs must be >= 1",
+        ),
+        (
+            {"models": [{"model": "models/tiny", "engine": {"dtpye": "x"}}]},
+            "models[0] (models/tiny): engine.dtpye: Extra inputs are not permitted",
+        ),
+        ({"models": [{"model": "models/tiny", "api": {}}]}, "models.0.api"),
+    ],
+)
+def test_a_bad_models_entry_is_named(patch, message):
+    with pytest.raises(pydantic.ValidationError) as err:
+        several = {"model": None, "served_model_name": None} if "models" in patch else {}
+        AppArgs.model_validate(deploy_yaml_args() | several | patch)
+    assert message in str(err.value)

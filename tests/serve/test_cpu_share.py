@@ -4,16 +4,16 @@ reserves nothing and scales as deploy.yaml says (pure: no Ray)."""
 
 from __future__ import annotations
 
-from serve_app.config import AppArgs
+from serve_app.config import AppArgs, merged
 from serve_app.deploy.builder import _autoscaling_config
 from serve_app.deploy.cpu_share import RayCpus, engine_cpus, engine_replicas_that_fit
-from tests.local_serve import _merge, deploy_yaml_args
+from tests.local_serve import deploy_yaml_args
 
 TWO_CORES = RayCpus(node=2.0, cluster=2.0)
 
 
 def _args(**patch) -> AppArgs:
-    return AppArgs.model_validate(_merge(deploy_yaml_args(), patch))
+    return AppArgs.model_validate(merged(deploy_yaml_args(), patch))
 
 
 def _max_replicas(args: AppArgs, cpus: RayCpus) -> int:
@@ -48,3 +48,11 @@ def test_a_number_or_a_gpu_replica_is_taken_as_it_is():
     assert engine_cpus(fixed, TWO_CORES) == 0.75 and _max_replicas(fixed, TWO_CORES) == 2
     gpu = _args(engine={"device": "cuda"}, engine_replicas={"num_gpus": 1})
     assert engine_cpus(gpu, TWO_CORES) == 1.0
+
+
+def test_the_models_of_an_app_share_the_node_evenly():
+    args = _args()
+    four = RayCpus(node=4.0, cluster=4.0)
+    # Two models: each engine reserves half of what the ingress leaves, one replica each.
+    assert engine_cpus(args, four, num_models=2) == 1.75
+    assert engine_replicas_that_fit(args, 1.75, four, num_models=2) == 1
