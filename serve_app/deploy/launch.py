@@ -21,9 +21,11 @@ import yaml
 from serve_app.config import AppArgs
 
 
-def _examples(base: str, model: str, proxy: str) -> str:
+def _examples(base: str, models: list[str], proxy: str) -> str:
+    """The examples name the first model; the line above them every one."""
+    model, served = models[0], ", ".join(f"`{name}`" for name in models)
     return f"""
-dynabatch is serving `{model}` at {base}/v1
+dynabatch is serving {served} at {base}/v1
 (the ingress replica's own port; Serve's HTTP proxy serves the same at {proxy}/v1)
 
   curl {base}/v1/completions -H 'Content-Type: application/json' \\
@@ -97,7 +99,8 @@ def main() -> int:
         while child.poll() is None and time.monotonic() < deadline:
             if _answers(proxy):
                 base = next((url for url in direct if _answers(url)), proxy)
-                print(_examples(base, args.per_model()[0].model_name, proxy), flush=True)
+                names = [one.model_name for one in args.per_model()]
+                print(_examples(base, names, proxy), flush=True)
                 break
             time.sleep(1.0)
         return child.wait()
