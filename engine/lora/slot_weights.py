@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import torch
 
+from engine.core.errors import InvalidParam
 from engine.core.lora_config import LoRAConfig
 from engine.core.lora_slots import LoRALoad
 from engine.core.outputs import ScheduledRequest
@@ -31,6 +32,10 @@ class LoRASlotWeights:
     ) -> None:
         """Allocate the slots (zeros) of `model`, one rank's decoder of shape `spec`, and
         give each of its attention and MLP blocks their `LayerLoRA`."""
+        if spec.moe is not None:
+            raise InvalidParam(
+                "lora", "lora: adapters on a mixture-of-experts model are not served yet"
+            )
         self.full_spec, self.config = full_spec, config
         self.rank = config.max_lora_rank
         self.slices = checkpoint_slices(full_spec, shard) if shard else {}

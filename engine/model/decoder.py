@@ -1,4 +1,5 @@
-"""Our own Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Our own Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV cache.
 
 One forward runs every scheduled token of every request as one packed batch (no padding);
 attention goes through the AttentionBackend interface.
@@ -19,6 +20,7 @@ from engine.model.linear_layers import LINEARS
 from engine.model.loader import DecoderSpec
 from engine.model.rms_norm import RMSNorm
 from engine.model.rope import RotaryEmbedding
+from engine.model.sparse_moe import SparseMoE
 
 if TYPE_CHECKING:
     from engine.lora.layer_lora import LayerLoRA
@@ -122,10 +124,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.lora: LayerLoRA | None = None  # LoRA adapters' deltas (engine/lora/)
 
     def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
@@ -141,12 +143,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | SparseMoE
+        if spec.moe is not None and spec.moe.sparse_layers[index]:
+            shared = spec.moe.shared_expert_intermediate_size
+            expert = MLP(spec.hidden_size, shared) if shared else None
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe, expert)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+
+
+def is_sparse(spec: DecoderSpec, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is a mixture of experts."""
+    return spec.moe is not None and spec.moe.sparse_layers[layer]
 
 
 class Decoder(nn.Module):
@@ -170,7 +183,7 @@ class Decoder(nn.Module):
         self.feature_major_max_tokens = max(FEATURE_MAJOR_MAX_TOKENS, self.ops.gemm_fm_max_tokens)
         vocab_rows = spec.vocab_size if tp is None else tp.shard.vocab_rows(spec.vocab_size)
         self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         if spec.tie_word_embeddings:
@@ -273,8 +286,14 @@ class Decoder(nn.Module):
         return self._whole_vocab(ops.mm_fm(self.lm_head.weight, h).t())
 
     def _gemm_weight_names(self) -> list[str]:
-        """The Linear layers only GEMMs read (a tied LM head is the embedding too)."""
-        names = [f"layers.{i}.{sub}" for i in range(len(self.layers)) for sub in LINEARS]
+        """The Linear layers only GEMMs read (a tied LM head is the embedding too); the
+        experts' stacked weights are not Linear layers."""
+        names = [
+            f"layers.{i}.{sub}"
+            for i in range(len(self.layers))
+            for sub in LINEARS
+            if not (is_sparse(self.spec, i) and sub.startswith("mlp."))
+        ]
         return names if self.spec.tie_word_embeddings else [*names, "lm_head"]
 
     def pack_weights(self) -> None:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model.moe_config import MoESpec, read_moe
 from engine.quant.scheme import QuantScheme, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = {
@@ -13,12 +14,19 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Families with Qwen's layout: q/k/v biases (qwen2), per-head q/k norms (qwen3), the
+# sliding-window fields.
+_QWEN2, _QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """The shape of a Llama-family decoder, read from config.json."""
+    """The shape of a Llama-family decoder (its MLPs dense, or mixtures of experts), read from
+    config.json."""
 
     architecture: str
     vocab_size: int
@@ -37,6 +45,7 @@ class DecoderSpec:
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
     sliding_window: int | None
     quantization: QuantScheme | None = None  # the checkpoint's quantized format
+    moe: MoESpec | None = None  # mixture-of-experts layers (None: every MLP dense)
 
 
 def resolve_max_model_len(value: int | str, spec: DecoderSpec) -> int:
@@ -90,10 +99,11 @@ def read_spec(model: str) -> DecoderSpec:
         rope_scaling=None if rope_type == "default" else dict(rope),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-        qk_norm=family == "qwen3",
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", family in _QWEN2))),
+        qk_norm=family in _QWEN3,
         sliding_window=_sliding_window(cfg, family),
         quantization=scheme,
+        moe=read_moe(cfg, family, cfg["num_hidden_layers"]),
     )
 
 
@@ -102,11 +112,12 @@ def _sliding_window(cfg: dict, family: str) -> int | None:
     Qwen's window from layer `max_window_layers` on) must agree: the attention backends take
     one window per model."""
     window = cfg.get("sliding_window")
-    if window is None or (family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+    qwen = family in _QWEN2 + _QWEN3
+    if window is None or (qwen and not cfg.get("use_sliding_window")):
         return None
     num_layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
-    if kinds is None and family in ("qwen2", "qwen3"):
+    if kinds is None and qwen:
         first = cfg.get("max_window_layers", 0)
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     if kinds is None or set(kinds) == {"sliding_attention"}:

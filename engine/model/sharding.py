@@ -43,6 +43,12 @@ class SliceOf:
 def shard_spec(spec: DecoderSpec, world_size: int) -> DecoderSpec:
     """The shape one rank's decoder has (the vocabulary stays whole: the decoder splits it).
     Raises InvalidParam naming tensor_parallel_size when the model does not divide."""
+    if spec.moe is not None and world_size > 1:
+        raise InvalidParam(
+            "tensor_parallel_size",
+            "tensor_parallel_size: a mixture-of-experts model runs on one device per replica "
+            f"here (got {world_size})",
+        )
     for field, value in (
         ("num_attention_heads", spec.num_heads),
         ("num_key_value_heads", spec.num_kv_heads),

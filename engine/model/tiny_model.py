@@ -1,6 +1,6 @@
 """Offline checkpoints: random-weight Llama-family models with a byte-level BPE tokenizer.
 
-    python -m engine.model.tiny_model --size tiny|small --out DIR [--arch llama|qwen2|qwen3]
+    python -m engine.model.tiny_model --size tiny|small --out DIR [--arch llama|qwen2|qwen3|...]
 
 writes an ordinary HF checkpoint directory (config.json, model.safetensors, tokenizer files with
 a chat template, generation_config.json) that loads through `from_pretrained` like any real
@@ -103,6 +103,40 @@ ARCHS = {
         {"use_sliding_window": False, "tie_word_embeddings": True},
     ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
+    # Mixtures of experts: 8 experts, 2 per token (a tiny model's MLP width each).
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    # Layer 1 dense (mlp_only_layers); top-k weights renormalized.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 96,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "use_sliding_window": False,
+        },
+    ),
+    # Every other layer sparse (decoder_sparse_step 2), a gated shared expert, the softmax's
+    # own top-k weights.
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 96,
+            "shared_expert_intermediate_size": 128,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+            "use_sliding_window": False,
+        },
+    ),
 }
 
 _SYLLABLES = [
@@ -235,7 +269,7 @@ def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id
     spec = SIZES[size]
     config_cls_name, model_cls_name, extra = ARCHS[arch]
     extra = {"tie_word_embeddings": False, **extra}
-    if arch == "qwen3":
+    if arch.startswith("qwen3"):
         extra["head_dim"] = spec.hidden_size // spec.num_attention_heads
     config = getattr(transformers, config_cls_name)(
         vocab_size=spec.vocab_size,

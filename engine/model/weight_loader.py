@@ -4,7 +4,8 @@ The module is made on the meta device (no memory), then given uninitialised memo
 target device in the target dtype, then filled tensor by tensor from the safetensors files:
 q/k/v into row slices of the fused qkv weight, gate/up into the fused gate_up weight. Host
 memory while loading is the weights themselves on a CPU target (read into place), and one
-staging buffer of the largest tensor otherwise.
+staging buffer of the largest tensor otherwise. A mixture of experts' per-expert weights go
+into their rows of the stacked expert tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from engine.model.linear_layers import LINEARS, part_sizes
 from engine.model.loader import DecoderSpec, check_model_dir
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import Shard, SliceOf, checkpoint_slices, shard_spec
+from engine.model.sparse_moe import SparseMoE
 from engine.quant.kv_scales import set_kv_scales
 from engine.quant.linear import QuantizedLinear
 from engine.quant.loading import load_quantized, quantize_modules
@@ -97,6 +99,12 @@ def load_decoder(
 
 
 def _scheme(spec: DecoderSpec, quantization: str | None) -> QuantScheme | None:
+    if spec.moe is not None and (quantization or spec.quantization):
+        raise InvalidParam(
+            "quantization",
+            "quantization: quantized mixture-of-experts models are not served yet (a float "
+            "checkpoint, and quantization null)",
+        )
     if quantization is None:
         return spec.quantization
     if spec.quantization is not None:
@@ -121,7 +129,11 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
     targets: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(decoder.layers):
         src = f"model.layers.{i}."
+        if isinstance(layer.mlp, SparseMoE):
+            targets |= _expert_targets(layer.mlp, src, spec.architecture)
         for module, (parts, _) in LINEARS.items():
+            if isinstance(layer.mlp, SparseMoE) and module.startswith("mlp."):
+                continue
             linear = layer.get_submodule(module)
             kinds = ["bias"] if linear.bias is not None else []
             if not isinstance(linear, QuantizedLinear):
@@ -141,6 +153,32 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
     targets["model.norm.weight"] = decoder.norm.weight.data
     if not spec.tie_word_embeddings:
         targets["lm_head.weight"] = decoder.lm_head.weight.data
+    return targets
+
+
+def _expert_targets(moe: SparseMoE, src: str, architecture: str) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts layer's checkpoint weights: the router, each expert's gate, up and
+    down projections (into its rows of the stacked w13 and w2), Qwen2-MoE's shared expert and
+    its gate."""
+    inter = moe.moe.expert_intermediate_size
+    if architecture == "MixtralForCausalLM":
+        block, gate, up, down = f"{src}block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        block, gate, up, down = f"{src}mlp.", "gate_proj", "up_proj", "down_proj"
+    targets = {f"{block}gate.weight": moe.gate.weight.data}
+    for e in range(moe.moe.num_experts):
+        expert = f"{block}experts.{e}."
+        targets[f"{expert}{gate}.weight"] = moe.w13.data[e, :inter]
+        targets[f"{expert}{up}.weight"] = moe.w13.data[e, inter:]
+        targets[f"{expert}{down}.weight"] = moe.w2.data[e]
+    if moe.shared_expert is not None:
+        assert moe.shared_expert_gate is not None
+        shared, fused = f"{block}shared_expert.", moe.shared_expert.gate_up_proj.weight.data
+        half = fused.shape[0] // 2
+        targets[f"{shared}gate_proj.weight"] = fused[:half]
+        targets[f"{shared}up_proj.weight"] = fused[half:]
+        targets[f"{shared}down_proj.weight"] = moe.shared_expert.down_proj.weight.data
+        targets[f"{block}shared_expert_gate.weight"] = moe.shared_expert_gate.weight.data
     return targets
 
 

@@ -3,9 +3,11 @@
 Step time = overhead + max(compute time, memory time) + tensor-parallel communication, where
   compute = FLOPs / (peak FLOP/s x flops_efficiency x tp)
     FLOPs = 2 x non-embedding params x tokens + 2 x hidden x vocab x sampled rows
+            (a mixture of experts: the params a token runs, its k experts of E)
             + 4 x layers x heads x head_dim x (context each token attends to)
   memory  = bytes / (HBM bandwidth x bw_efficiency x tp)
     bytes = weights once per step + KV read for every token's context + KV written
+            (a mixture of experts: the experts the step's tokens touch, E·(1-(1-k/E)^tokens))
 LoRA adapters add their shrink and expand FLOPs for their rows' tokens and each adapter's
 weights read once per step.
 Quantized replicas (ModelSpec.quantized): FP8 or INT4 linear weights are fewer bytes to stream;
@@ -84,7 +86,7 @@ class Pricer:
         self.attn_flops_per_ctx = 4 * model.num_layers * (model.num_heads * model.head_dim)
         self.kv_tok = model.kv_bytes_per_token
         self.lora_params = model.num_layers * lora_rank * model.lora_params_per_rank
-        self.linear_params = model.num_layers * model.layer_params
+        self.linear_params = model.num_layers * model.active_layer_params
         self.sample_flops = 2.0 * model.hidden_size * model.vocab_size
         self.weight_bytes = model.weight_bytes
         self.tp = model.tp
@@ -140,7 +142,8 @@ class Pricer:
         linear_flops = 2.0 * (self.linear_params * tokens + self.lora_params * lora_tokens)
         other_flops = self.sample_flops * sampled + self.attn_flops_per_ctx * attended
         flops = linear_flops + other_flops
-        nbytes = self.weight_bytes + context * self.kv_tok + tokens * self.kv_tok
+        weights = model.step_weight_bytes(tokens) if model.num_experts else self.weight_bytes
+        nbytes = weights + context * self.kv_tok + tokens * self.kv_tok
         nbytes += num_adapters * self.lora_params * model.dtype_bytes
         compute = (linear_flops / self.linear_peak + other_flops / gpu.peak_flops) / (
             self.compute_share

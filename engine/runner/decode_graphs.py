@@ -32,7 +32,9 @@ _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 def graph_query_rows(dm: DeviceModel, config: EngineConfig) -> list[int]:
     """The query tokens per row of each set of decode graphs a runner of `dm` captures (1:
     plain decodes; k + 1: speculative rows); none where steps run eagerly."""
+    # A mixture of experts groups its tokens by expert on the host: its steps run eagerly.
     graphable = dm.backend.supports_graphs and config.tensor_parallel_size == 1
+    graphable = graphable and dm.spec.moe is None
     if dm.device.type != "cuda" or not graphable or config.enforce_eager:
         return []
     spec = config.speculative

@@ -25,15 +25,58 @@ class ModelSpec:
     linear_bytes: float | None = None  # bytes per decoder-layer weight; None: dtype_bytes
     kv_dtype_bytes: int | None = None  # bytes per cached K or V value; None: dtype_bytes
     fp8_gemms: bool = False  # linear layers run FP8 x FP8 GEMMs (FP8 weights, dynamic FP8 acts)
+    # A mixture of experts (every layer's MLP): experts per layer, those each token runs, and
+    # each one's MLP width. 0 experts: dense MLPs of intermediate_size.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     @property
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
         h, q, kv = (
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        return h * (q + 2 * kv) + q * h
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    @property
+    def layer_params(self) -> int:
+        """One layer's parameters, every expert's included."""
+        if self.num_experts:
+            router = self.hidden_size * self.num_experts
+            return self.attention_params + router + self.num_experts * self.expert_params
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def active_layer_params(self) -> int:
+        """The parameters one token runs through in a layer (its experts only)."""
+        if self.num_experts:
+            unused = (self.num_experts - self.experts_per_token) * self.expert_params
+            return self.layer_params - unused
+        return self.layer_params
+
+    def experts_touched(self, tokens: int) -> float:
+        """The experts per layer a step of `tokens` tokens reads, expected where each token
+        picks its k of E uniformly: E·(1 - (1 - k/E)^tokens)."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` tokens reads: all of a dense model's; a mixture of
+        experts' all but the experts no token of the step chose."""
+        if not self.num_experts:
+            return self.weight_bytes
+        linear = self.dtype_bytes if self.linear_bytes is None else self.linear_bytes
+        untouched = self.num_experts - self.experts_touched(tokens)
+        return self.weight_bytes - self.num_layers * untouched * self.expert_params * linear
 
     @property
     def lora_params_per_rank(self) -> int:
@@ -87,6 +130,7 @@ class ModelSpec:
         path = Path(model_dir)
         cfg = json.loads((path / "config.json").read_text())
         heads = cfg["num_attention_heads"]
+        experts = cfg.get("num_experts", cfg.get("num_local_experts")) or 0
         return cls(
             name=path.name,
             num_layers=cfg["num_hidden_layers"],
@@ -98,6 +142,11 @@ class ModelSpec:
             vocab_size=cfg["vocab_size"],
             dtype_bytes=dtype_bytes,
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            expert_intermediate_size=(
+                cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0
+            ),
         )
 
 
@@ -110,5 +159,46 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256),
         ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
         ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
-    )
+        # Mixtures of experts: (experts, per token, each one's width).
+        ModelSpec(
+            "Mixtral-8x7B",
+            32,
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            32000,
+            num_experts=8,
+            experts_per_token=2,
+            expert_intermediate_size=14336,
+        ),
+        ModelSpec(
+            "Qwen3-30B-A3B",
+            48,
+            2048,
+            32,
+            4,
+            128,
+            6144,
+            151936,
+            num_experts=128,
+            experts_per_token=8,
+            expert_intermediate_size=768,
+        ),
+        # gpt-oss's MXFP4 experts as served here: dequantized to bf16.
+        ModelSpec(
+            "gpt-oss-20b",
+            24,
+            2880,
+            64,
+            8,
+            64,
+            2880,
+            201088,
+            num_experts=32,
+            experts_per_token=4,
+            expert_intermediate_size=2880,
+        ),
+    )  # fmt: skip
 }

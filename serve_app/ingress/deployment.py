@@ -44,8 +44,8 @@ class OpenAIIngress:
         engines: list[DeploymentHandle],
         models: list[dict[str, Any]],
         controllers: list[DeploymentHandle | None],
-        metrics_board: DeploymentHandle | None = None,
-        lora_boards: list[DeploymentHandle | None] | None = None,
+        metrics_board: DeploymentHandle | None,
+        lora_boards: list[DeploymentHandle | None],
         response_store: DeploymentHandle | None = None,
     ) -> None:
         """One engine deployment, args, controller and LoRA board per model served (the
@@ -59,7 +59,6 @@ class OpenAIIngress:
         self.metrics = IngressMetrics()
         tracer = tracing.make_tracer(first.tracing, "ingress")
         created = oai.now()
-        boards = lora_boards or [None] * len(declared)
         served = [
             ServedModel.started(
                 args,
@@ -71,9 +70,9 @@ class OpenAIIngress:
                 self.metrics,
                 tracer,
                 created,
-            )  # fmt: skip
+            )
             for args, engine, controller, board in zip(
-                declared, engines, controllers, boards, strict=True
+                declared, engines, controllers, lora_boards, strict=True
             )
         ]
         self.models = app.state.models = ServedModels(served)

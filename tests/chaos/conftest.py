@@ -30,10 +30,11 @@ def chaos_args(model: str, **overrides: Any) -> dict[str, Any]:
     return app_args(model, request_timeout_s=60, health=health, api=api, **overrides)
 
 
-# The chaos app's second model: another architecture (other weights, other tokens), one
-# engine replica of its own, beside `tiny`'s two; its streams must not notice a fault of
-# `tiny`'s replicas.
-OTHER = "tiny-qwen3"
+# The chaos app's second model: a mixture of experts (Qwen3-MoE: other weights, other tokens,
+# the expert path over HTTP), one engine replica of its own beside `tiny`'s two; its streams
+# must not notice a fault of `tiny`'s replicas.
+OTHER_ARCH = "qwen3-moe"
+OTHER = f"tiny-{OTHER_ARCH}"
 
 
 def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:
@@ -46,7 +47,7 @@ def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:
     args = chaos_args(serve_cluster.model, **overrides)
     tiny = {"model": args.pop("model"), "served_model_name": args.pop("served_model_name")}
     other = {
-        "model": tiny_model_dir("qwen3"),
+        "model": tiny_model_dir(OTHER_ARCH),
         "served_model_name": OTHER,
         "engine": {"lora": {"enabled": False, "adapters": {}, "search_path": None}},
         "engine_replicas": {"num_replicas": 1},

@@ -1,6 +1,6 @@
 """One app, two models (the `chaos` app, tests/chaos/conftest.py: `tiny` on two engine
-replicas with its LoRA adapters, OTHER, another architecture, on one): a request's `model`
-picks the model, and each answers token for token as transformers' generate on its own
+replicas with its LoRA adapters, OTHER, a Qwen3-MoE mixture of experts, on one): a request's
+`model` picks the model, and each answers token for token as transformers' generate on its own
 checkpoint; /v1/models lists both; an unknown model is OpenAI's 404 naming it; adapters go
 to their base; /metrics, /v1/cluster and /health tell the models apart. (The fault of one
 model's replica under both models' streams: tests/chaos/test_failover.py.)"""
@@ -12,7 +12,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.chaos.conftest import APP, OTHER
+from tests.chaos.conftest import APP, OTHER, OTHER_ARCH
 from tests.conftest import tiny_model_dir
 from tests.engine.oracle import HFOracle
 
@@ -26,7 +26,7 @@ def client(serve_cluster, chaos_app) -> openai.OpenAI:
 
 def test_each_model_answers_as_its_own_checkpoint(serve_cluster, client):
     answers = {}
-    for name, model_dir in (("tiny", serve_cluster.model), (OTHER, tiny_model_dir("qwen3"))):
+    for name, model_dir in (("tiny", serve_cluster.model), (OTHER, tiny_model_dir(OTHER_ARCH))):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt = tokenizer.encode("Two models, one door")
         want = tokenizer.decode(HFOracle(model_dir).greedy(prompt, 12))
@@ -55,7 +55,7 @@ def test_models_lists_both_and_an_unknown_model_is_a_404_naming_it(serve_cluster
     cards = {card.id: card for card in client.models.list().data}
     assert {"tiny", OTHER, "sql"} <= set(cards)
     assert cards["sql"].parent == "tiny"  # the adapters are tiny's alone
-    assert cards[OTHER].root == tiny_model_dir("qwen3")
+    assert cards[OTHER].root == tiny_model_dir(OTHER_ARCH)
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="Hi", max_tokens=2)
     body = err.value.body

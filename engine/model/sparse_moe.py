@@ -1,0 +1,75 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each
+token's top-k experts; the tokens are grouped by expert, so that each expert runs one GEMM
+over all of its tokens (never a loop over tokens), and the outputs, weighted, are summed back
+in the tokens' order; Qwen2-MoE adds a shared expert every token runs, behind a sigmoid gate.
+
+The experts' weights are stacked: `w13` [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.cpu.decoder_ops import DecoderOps
+from engine.model.moe_config import MoESpec
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoESpec, shared: nn.Module | None) -> None:
+        """`shared`: Qwen2-MoE's shared expert (a dense MLP), or None."""
+        super().__init__()
+        self.moe = moe
+        experts, inter = moe.num_experts, moe.expert_intermediate_size
+        self.gate = nn.Linear(hidden_size, experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden_size, inter))
+        self.shared_expert = shared
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = self.experts(x, weights, experts, ops)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out += gate * self.shared_expert(x, ops)
+        return out
+
+    def forward_fm(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
+        """`forward` on feature-major activations ([hidden, T] in and out): the experts work on
+        token rows, so once through the token-major path."""
+        return ops.transposed(self.forward(ops.transposed(x), ops))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k]: the softmax over all
+        the experts' logits (float32), renormalized over the top k where the model says."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.moe.float_weights else weights.to(x.dtype)), experts
+
+    def experts(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops: DecoderOps
+    ) -> torch.Tensor:
+        """Σ_j weights[t, j] · expert_{experts[t, j]}(x[t]) for every token t: the (token,
+        choice) pairs sorted by expert, one GEMM pair per expert over its rows, and the rows
+        added back to their tokens (in expert order, as transformers sums them)."""
+        top_k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // top_k
+        row_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            gate_up = torch.nn.functional.linear(x[rows], self.w13[expert])
+            y = torch.nn.functional.linear(ops.silu_mul(gate_up), self.w2[expert])
+            out.index_add_(0, rows, (y * row_weights[start : start + count, None]).to(x.dtype))
+            start += count
+        return out
