@@ -31,6 +31,7 @@ def build_engine(
     attention_backend: str = "auto",
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
+    expert_parallel: bool = False,
     deferred_steps: bool | str = False,
     overlap_steps: bool = True,
     enforce_eager: bool = False,
@@ -56,6 +57,7 @@ def build_engine(
         dtype=dtype,
         attention_backend=attention_backend,
         tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=expert_parallel,
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,

@@ -322,6 +322,13 @@ class EngineConfig:
         "CPU). The model's attention heads, KV heads and intermediate size must divide by it. "
         "On the CPU, num_threads counts per rank.",
     )
+    expert_parallel: bool = knob(
+        False,
+        "Mixtures of experts under tensor_parallel_size N: each rank holds 1/N of the experts "
+        "whole and runs them for every token (the ranks' outputs summed, as a row-parallel "
+        "layer's), attention staying tensor-parallel; N must divide the experts. false: each "
+        "rank holds 1/N of every expert's columns.",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

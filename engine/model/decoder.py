@@ -20,6 +20,7 @@ from engine.model.linear_layers import LINEARS
 from engine.model.loader import DecoderSpec
 from engine.model.rms_norm import RMSNorm
 from engine.model.rope import RotaryEmbedding
+from engine.model.sharding import first_expert
 from engine.model.sparse_moe import SparseMoE
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, index: int) -> None:
+    def __init__(self, spec: DecoderSpec, index: int, first_expert: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
@@ -152,7 +153,7 @@ class DecoderLayer(nn.Module):
         if spec.moe is not None and spec.moe.sparse_layers[index]:
             shared = spec.moe.shared_expert_intermediate_size
             expert = MLP(spec.hidden_size, shared) if shared else None
-            self.mlp = SparseMoE(spec.hidden_size, spec.moe, expert)
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe, expert, first_expert)
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
@@ -183,7 +184,8 @@ class Decoder(nn.Module):
         self.feature_major_max_tokens = max(FEATURE_MAJOR_MAX_TOKENS, self.ops.gemm_fm_max_tokens)
         vocab_rows = spec.vocab_size if tp is None else tp.shard.vocab_rows(spec.vocab_size)
         self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        first = first_expert(spec, tp.shard if tp is not None else None)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, first) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         if spec.tie_word_embeddings:

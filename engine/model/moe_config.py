@@ -28,6 +28,20 @@ class MoESpec:
     float_weights: bool
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one expert every token runs, gated
+    # Under expert parallelism, the experts one rank holds (a contiguous run of them); 0: all.
+    experts_held: int = 0
+
+    @property
+    def held(self) -> int:
+        return self.experts_held or self.num_experts
+
+
+def expert_weight_names(architecture: str, layer: int) -> tuple[str, tuple[str, str, str]]:
+    """A sparse layer's checkpoint prefix (its router is `<prefix>gate.weight`, expert e's
+    weights `<prefix>experts.<e>.<name>.weight`) and its experts' (gate, up, down) names."""
+    if architecture == "MixtralForCausalLM":
+        return f"model.layers.{layer}.block_sparse_moe.", ("w1", "w3", "w2")
+    return f"model.layers.{layer}.mlp.", ("gate_proj", "up_proj", "down_proj")
 
 
 def read_moe(cfg: dict, family: str, num_layers: int) -> MoESpec | None:

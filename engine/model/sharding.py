@@ -13,12 +13,16 @@ from dataclasses import dataclass, replace
 
 from engine.core.errors import InvalidParam
 from engine.model.loader import DecoderSpec
+from engine.model.moe_config import expert_weight_names
 
 
 @dataclass(frozen=True)
 class Shard:
     rank: int
     world_size: int
+    # Mixtures of experts: each rank holds 1/N of the experts whole (else 1/N of every
+    # expert's columns, as of a dense MLP's).
+    expert_parallel: bool = False
 
     def vocab_rows(self, vocab_size: int) -> int:
         """Embedding and LM head rows each rank holds."""
@@ -40,31 +44,48 @@ class SliceOf:
     full: int
 
 
-def shard_spec(spec: DecoderSpec, world_size: int) -> DecoderSpec:
+def shard_spec(spec: DecoderSpec, world_size: int, expert_parallel: bool = False) -> DecoderSpec:
     """The shape one rank's decoder has (the vocabulary stays whole: the decoder splits it).
     Raises InvalidParam naming tensor_parallel_size when the model does not divide."""
-    if spec.moe is not None and world_size > 1:
-        raise InvalidParam(
-            "tensor_parallel_size",
-            "tensor_parallel_size: a mixture-of-experts model runs on one device per replica "
-            f"here (got {world_size})",
-        )
-    for field, value in (
+    moe = spec.moe
+    dims = [
         ("num_attention_heads", spec.num_heads),
         ("num_key_value_heads", spec.num_kv_heads),
         ("intermediate_size", spec.intermediate_size),
-    ):
+    ]
+    if moe is not None:
+        experts = ("num_experts", moe.num_experts)
+        columns = ("moe_intermediate_size", moe.expert_intermediate_size)
+        dims.append(experts if expert_parallel else columns)
+        dims.append(("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
+    for field, value in dims:
         if value % world_size:
             raise InvalidParam(
                 "tensor_parallel_size",
                 f"tensor_parallel_size ({world_size}) must divide the model's {field} ({value})",
             )
+    if moe is not None:  # the shared expert split as a dense MLP either way
+        moe = replace(
+            moe, shared_expert_intermediate_size=moe.shared_expert_intermediate_size // world_size
+        )
+    if moe is not None and expert_parallel:
+        moe = replace(moe, experts_held=moe.num_experts // world_size)
+    elif moe is not None:
+        moe = replace(moe, expert_intermediate_size=moe.expert_intermediate_size // world_size)
     return replace(
         spec,
         num_heads=spec.num_heads // world_size,
         num_kv_heads=spec.num_kv_heads // world_size,
         intermediate_size=spec.intermediate_size // world_size,
+        moe=moe,
     )
+
+
+def first_expert(spec: DecoderSpec, shard: Shard | None) -> int:
+    """The first expert (of the model's) that `shard`'s rank holds, in a rank's `spec`."""
+    if spec.moe is None or shard is None or not shard.expert_parallel:
+        return 0
+    return shard.rank * spec.moe.held
 
 
 def checkpoint_slices(full: DecoderSpec, shard: Shard) -> dict[str, SliceOf]:
@@ -87,8 +108,37 @@ def checkpoint_slices(full: DecoderSpec, shard: Shard) -> dict[str, SliceOf]:
         for part in ("gate", "up"):
             slices[f"{src}mlp.{part}_proj.weight"] = SliceOf(0, rank * inter, inter, inter * world)
         slices[f"{src}mlp.down_proj.weight"] = SliceOf(1, rank * inter, inter, inter * world)
+    if full.moe is not None:
+        slices |= _expert_slices(full, shard)
     vocab = SliceOf(0, shard.vocab_start(full.vocab_size), rows, full.vocab_size)
     slices["model.embed_tokens.weight"] = vocab
     if not full.tie_word_embeddings:
         slices["lm_head.weight"] = vocab
+    return slices
+
+
+def _expert_slices(full: DecoderSpec, shard: Shard) -> dict[str, SliceOf]:
+    """A mixture of experts over ranks: the shared expert's MLP columns split as a dense
+    MLP's; every expert's too, except under expert parallelism, where a rank reads its experts
+    whole (and no other's); the router whole."""
+    moe = full.moe
+    assert moe is not None
+    world, rank = shard.world_size, shard.rank
+    slices = {}
+    for i, sparse in enumerate(moe.sparse_layers):
+        if not sparse:
+            continue
+        prefix, (gate, up, down) = expert_weight_names(full.architecture, i)
+        parts = []
+        if not shard.expert_parallel:
+            parts = [(f"{prefix}experts.{e}.", moe.expert_intermediate_size, (gate, up, down))
+                     for e in range(moe.num_experts)]  # fmt: skip
+        if moe.shared_expert_intermediate_size:
+            shared = moe.shared_expert_intermediate_size
+            parts.append((f"{prefix}shared_expert.", shared, ("gate_proj", "up_proj", "down_proj")))
+        for src, inter, (g, u, d) in parts:
+            n = inter // world
+            for name in (g, u):
+                slices[f"{src}{name}.weight"] = SliceOf(0, rank * n, n, inter)
+            slices[f"{src}{d}.weight"] = SliceOf(1, rank * n, n, inter)
     return slices

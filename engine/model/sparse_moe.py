@@ -16,14 +16,18 @@ from engine.model.moe_config import MoESpec
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoESpec, shared: nn.Module | None) -> None:
-        """`shared`: Qwen2-MoE's shared expert (a dense MLP), or None."""
+    def __init__(
+        self, hidden_size: int, moe: MoESpec, shared: nn.Module | None, first_expert: int = 0
+    ) -> None:
+        """`shared`: Qwen2-MoE's shared expert (a dense MLP), or None. Under expert
+        parallelism this rank holds `moe.held` experts from `first_expert` on, and its output
+        is their share of the sum (the ranks' shares are all-reduced)."""
         super().__init__()
-        self.moe = moe
-        experts, inter = moe.num_experts, moe.expert_intermediate_size
-        self.gate = nn.Linear(hidden_size, experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden_size, inter))
+        self.moe, self.first_expert = moe, first_expert
+        inter = moe.expert_intermediate_size
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(moe.held, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(moe.held, hidden_size, inter))
         self.shared_expert = shared
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
 
@@ -63,13 +67,14 @@ class SparseMoE(nn.Module):
         row_weights = weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
+        start = sum(counts[: self.first_expert])  # the rows of the experts other ranks hold
+        for held in range(self.moe.held):
+            count = counts[self.first_expert + held]
             if not count:
                 continue
             rows = tokens[start : start + count]
-            gate_up = torch.nn.functional.linear(x[rows], self.w13[expert])
-            y = torch.nn.functional.linear(ops.silu_mul(gate_up), self.w2[expert])
+            gate_up = torch.nn.functional.linear(x[rows], self.w13[held])
+            y = torch.nn.functional.linear(ops.silu_mul(gate_up), self.w2[held])
             out.index_add_(0, rows, (y * row_weights[start : start + count, None]).to(x.dtype))
             start += count
         return out

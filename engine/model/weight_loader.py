@@ -20,6 +20,7 @@ from engine.model.checkpoint_reader import CheckpointReader, read_index
 from engine.model.decoder import Decoder
 from engine.model.linear_layers import LINEARS, part_sizes
 from engine.model.loader import DecoderSpec, check_model_dir
+from engine.model.moe_config import expert_weight_names
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import Shard, SliceOf, checkpoint_slices, shard_spec
 from engine.model.sparse_moe import SparseMoE
@@ -57,7 +58,7 @@ def load_decoder(
     full_spec = spec
     slices: dict[str, SliceOf] = {}
     if tp is not None:
-        spec = shard_spec(full_spec, tp.shard.world_size)
+        spec = shard_spec(full_spec, tp.shard.world_size, tp.shard.expert_parallel)
         slices = checkpoint_slices(full_spec, tp.shard)
     scheme = _scheme(full_spec, quantization)
     with torch.device("meta"):
@@ -130,7 +131,7 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
     for i, layer in enumerate(decoder.layers):
         src = f"model.layers.{i}."
         if isinstance(layer.mlp, SparseMoE):
-            targets |= _expert_targets(layer.mlp, src, spec.architecture)
+            targets |= _expert_targets(layer.mlp, i, spec.architecture)
         for module, (parts, _) in LINEARS.items():
             if isinstance(layer.mlp, SparseMoE) and module.startswith("mlp."):
                 continue
@@ -156,29 +157,26 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
     return targets
 
 
-def _expert_targets(moe: SparseMoE, src: str, architecture: str) -> dict[str, torch.Tensor]:
+def _expert_targets(moe: SparseMoE, layer: int, architecture: str) -> dict[str, torch.Tensor]:
     """A mixture-of-experts layer's checkpoint weights: the router, each expert's gate, up and
-    down projections (into its rows of the stacked w13 and w2), Qwen2-MoE's shared expert and
-    its gate."""
+    down projections (into its rows of the stacked w13 and w2; under expert parallelism only
+    the experts this rank holds), Qwen2-MoE's shared expert and its gate."""
+    prefix, (gate, up, down) = expert_weight_names(architecture, layer)
     inter = moe.moe.expert_intermediate_size
-    if architecture == "MixtralForCausalLM":
-        block, gate, up, down = f"{src}block_sparse_moe.", "w1", "w3", "w2"
-    else:
-        block, gate, up, down = f"{src}mlp.", "gate_proj", "up_proj", "down_proj"
-    targets = {f"{block}gate.weight": moe.gate.weight.data}
-    for e in range(moe.moe.num_experts):
-        expert = f"{block}experts.{e}."
-        targets[f"{expert}{gate}.weight"] = moe.w13.data[e, :inter]
-        targets[f"{expert}{up}.weight"] = moe.w13.data[e, inter:]
-        targets[f"{expert}{down}.weight"] = moe.w2.data[e]
+    targets = {f"{prefix}gate.weight": moe.gate.weight.data}
+    for held in range(moe.moe.held):
+        expert = f"{prefix}experts.{moe.first_expert + held}."
+        targets[f"{expert}{gate}.weight"] = moe.w13.data[held, :inter]
+        targets[f"{expert}{up}.weight"] = moe.w13.data[held, inter:]
+        targets[f"{expert}{down}.weight"] = moe.w2.data[held]
     if moe.shared_expert is not None:
         assert moe.shared_expert_gate is not None
-        shared, fused = f"{block}shared_expert.", moe.shared_expert.gate_up_proj.weight.data
+        shared, fused = f"{prefix}shared_expert.", moe.shared_expert.gate_up_proj.weight.data
         half = fused.shape[0] // 2
         targets[f"{shared}gate_proj.weight"] = fused[:half]
         targets[f"{shared}up_proj.weight"] = fused[half:]
         targets[f"{shared}down_proj.weight"] = moe.shared_expert.down_proj.weight.data
-        targets[f"{block}shared_expert_gate.weight"] = moe.shared_expert_gate.weight.data
+        targets[f"{prefix}shared_expert_gate.weight"] = moe.shared_expert_gate.weight.data
     return targets
 
 

@@ -61,7 +61,8 @@ class RankWorkers:
                     connection = Connection(ours.detach())
                 self.processes.append(process)
                 self._connections.append(connection)
-                connection.send((config, Shard(rank, world_size), self.store.port))
+                shard = Shard(rank, world_size, config.expert_parallel)
+                connection.send((config, shard, self.store.port))
         except BaseException:
             self.close(kill=True)
             raise

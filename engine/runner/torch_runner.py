@@ -60,7 +60,7 @@ class TorchModelRunner:
         max_len = resolve_max_model_len(config.scheduler.max_model_len, full_spec)
         world = config.tensor_parallel_size
         # This rank's shape (the whole model at N = 1): a model N does not divide fails here.
-        spec = shard_spec(full_spec, world)
+        spec = shard_spec(full_spec, world, config.expert_parallel)
         set_engine_threads(config.num_threads, config.device, world)
         if config.device == "cpu":
             keep_freed_memory_in_heap()
@@ -87,7 +87,8 @@ class TorchModelRunner:
         self.workers: RankWorkers | None = None
         self.tp: TensorParallel | None = None
         if world > 1 and shard is None:
-            shard, self.workers = Shard(0, world), RankWorkers(config, world)
+            shard = Shard(0, world, config.expert_parallel)
+            self.workers = RankWorkers(config, world)
             store = self.workers.store
         try:
             if world > 1:

@@ -2,12 +2,14 @@
 and every other layer sparse): greedy tokens equal transformers' generate on tiny random
 checkpoints written by each family's own transformers class, alone and in mixed batches,
 under chunked prefill, both preemption modes, the prefix cache and speculation; the expert
-path groups tokens by expert; what is not served yet is a start error naming its field."""
+path groups tokens by expert; tensor and expert parallelism (gloo) give one rank's tokens,
+each rank reading only its experts; what is not served yet is a start error naming its field."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,11 @@ import torch
 
 from engine.core.errors import InvalidParam
 from engine.model.loader import read_spec
+from engine.model.sharding import Shard, shard_spec
 from engine.model.sparse_moe import SparseMoE
-from tests.conftest import build_engine, tiny_model_dir
+from engine.model.tiny_model import make_model
+from engine.model.weight_loader import load_decoder
+from tests.conftest import REPO, build_engine, tiny_model_dir
 from tests.engine.oracle import HFOracle
 from tests.engine.test_oracle import check_against_oracle, random_prompts, run_mix
 
@@ -109,14 +114,82 @@ def test_the_expert_path_equals_each_tokens_own_experts():
 def test_what_moe_does_not_serve_yet_is_a_start_error_naming_the_field(tmp_path: Path):
     model = tiny_model_dir("mixtral")
     with pytest.raises(InvalidParam) as err:
-        build_engine(model, 4, 40, tensor_parallel_size=2)
-    assert err.value.param == "tensor_parallel_size"
-    with pytest.raises(InvalidParam) as err:
         build_engine(model, 4, 40, quantization="fp8")
     assert err.value.param == "quantization"
+    with pytest.raises(InvalidParam) as err:
+        build_engine(model, 4, 40, lora={})
+    assert err.value.param == "lora"
+    spec = read_spec(model)
+    assert spec.moe is not None
+    odd = replace(spec, moe=replace(spec.moe, num_experts=7))
+    with pytest.raises(InvalidParam, match=r"must divide the model's num_experts \(7\)"):
+        shard_spec(odd, 2, expert_parallel=True)
     odd = tmp_path / "deepseek-like"
     shutil.copytree(model, odd)
     config = json.loads((odd / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps(config | {"scoring_func": "sigmoid"}))
     with pytest.raises(ValueError, match=r"config\.json\.scoring_func 'sigmoid'"):
         read_spec(str(odd))
+
+
+def _wide_moe() -> str:
+    """Qwen3-MoE with 8 heads and 4 KV heads: worlds of 2 and 4 divide it."""
+    return str(make_model(REPO / "models" / "tiny-wide-qwen3-moe", "tiny-wide", "qwen3-moe"))
+
+
+def _mix(model: str, world: int, expert_parallel: bool) -> dict[int, list[int]]:
+    engine = build_engine(
+        model,
+        4,
+        120,
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        tensor_parallel_size=world,
+        expert_parallel=expert_parallel,
+    )
+    try:
+        prompts = random_prompts(4, 8, max_len=30)
+        return run_mix(engine, prompts, [10] * len(prompts), [0, 0, 0, 1, 2, 3, 4, 5])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "expert_parallel"),
+    [
+        ("mixtral", 2, False),  # every expert's columns split
+        ("qwen2-moe", 2, True),  # experts whole, the shared expert's columns split
+        ("wide-qwen3-moe", 4, True),
+        ("wide-qwen3-moe", 4, False),
+    ],
+)
+def test_tensor_and_expert_parallel_give_one_ranks_tokens(arch, world, expert_parallel):
+    model = _wide_moe() if arch.startswith("wide") else tiny_model_dir(arch)
+    assert _mix(model, world, expert_parallel) == _mix(model, 1, False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_under_expert_parallelism_each_rank_reads_only_its_experts(world):
+    model = _wide_moe()
+    spec = read_spec(model)
+    assert spec.moe is not None
+    cpu = torch.device("cpu")
+    whole = load_decoder(model, spec, cpu, torch.float32, native_ops=False)
+    held = spec.moe.num_experts // world
+    for rank in range(world):
+        tp = _Sharded(Shard(rank, world, expert_parallel=True))
+        part = load_decoder(model, spec, cpu, torch.float32, native_ops=False, tp=tp)
+        assert abs(part.loaded_bytes / whole.loaded_bytes - 1 / world) < 0.02
+        experts = slice(rank * held, (rank + 1) * held)
+        mine, all_of_them = part.layers[0].mlp, whole.layers[0].mlp  # (layer 1 is dense)
+        assert mine.w13.shape[0] == held and mine.first_expert == rank * held
+        torch.testing.assert_close(mine.w13, all_of_them.w13[experts])
+        torch.testing.assert_close(mine.w2, all_of_them.w2[experts])
+        torch.testing.assert_close(mine.gate.weight, all_of_them.gate.weight)
+
+
+class _Sharded:
+    """What the loader reads of a TensorParallel: only its shard (loading runs no collective)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
