@@ -30,10 +30,18 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(moe.held, hidden_size, inter))
         self.shared_expert = shared
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+        # The fused Triton kernels (engine/model/moe_kernel.py) on CUDA, once the GPU
+        # self-check passed them; else the grouped torch path below.
+        self.kernel = False
 
     def forward(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
         weights, experts = self.route(x)
-        out = self.experts(x, weights, experts, ops)
+        if self.kernel:
+            from engine.model.moe_kernel import fused_experts
+
+            out = fused_experts(x, self.w13, self.w2, weights, experts, self.first_expert)
+        else:
+            out = self.experts(x, weights, experts, ops)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             gate = torch.sigmoid(self.shared_expert_gate(x))
@@ -78,3 +86,14 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, (y * row_weights[start : start + count, None]).to(x.dtype))
             start += count
         return out
+
+
+def moe_layers(model: nn.Module) -> list[SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def use_moe_kernels(model: nn.Module, device: torch.device) -> None:
+    """The fused kernels for every mixture-of-experts layer on CUDA (the self-check may take
+    them back)."""
+    for layer in moe_layers(model):
+        layer.kernel = device.type == "cuda"

@@ -5,9 +5,9 @@ part (the attention backend by `torch`, a quantized GEMM by dequantize-then-GEMM
 kernel by the sorted draw, decode graphs by eager steps), the reason is logged, and the
 replica serves on. Parts already on their reference are not checked.
 
-Parts: `attention`, `fp8_gemm`, `fp8_block_gemm`, `int4_gemm`, `token_draw`, `lora` (LoRA's
-segmented kernels; checked before decode graphs are captured, so graphs capture what passed),
-then `decode_graph`.
+Parts: `attention`, `fp8_gemm`, `fp8_block_gemm`, `int4_gemm`, `token_draw`, `moe` (the
+fused mixture-of-experts kernels), `lora` (LoRA's segmented kernels; checked before decode
+graphs are captured, so graphs capture what passed), then `decode_graph`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from engine.attention.base import FP8_KV, BatchLayout
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
+from engine.model.sparse_moe import SparseMoE, moe_layers
 from engine.quant.linear import (
     FAST_KERNELS,
     QuantizedLinear,
@@ -72,6 +73,14 @@ def check_kernels(dm: DeviceModel) -> list[PartCheck]:
             sampler.draw_rows = token_draw.draw_by_sort
 
         results.append(_check("token_draw", partial(_draw, dm), draw_fallback, exact=True))
+    moe = [layer for layer in moe_layers(dm.model) if layer.kernel]
+    if moe:
+
+        def moe_fallback() -> None:
+            for layer in moe:
+                layer.kernel = False
+
+        results.append(_check("moe", partial(_moe, moe[0]), moe_fallback))
     lora = dm.lora
     if lora is not None and lora.kernel:
 
@@ -189,6 +198,20 @@ def _gemm(layer: QuantizedLinear, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     device = layer.bias.device if layer.bias is not None else next(layer.buffers()).device
     x = torch.randn(7, layer.in_features, generator=gen).to(device=device, dtype=dtype)
     return layer.kernel(layer, x), reference_kernel(layer, x)
+
+
+def _moe(layer: SparseMoE) -> tuple[torch.Tensor, torch.Tensor]:
+    """One mixture-of-experts layer's experts on 24 random tokens (several per expert, runs
+    across row blocks): the fused kernels, then the grouped torch path."""
+    from engine.cpu.decoder_ops import DecoderOps
+    from engine.model.moe_kernel import fused_experts
+
+    weight = layer.w13
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    x = torch.randn(24, weight.shape[2], generator=gen).to(weight.device, weight.dtype)
+    weights, experts = layer.route(x)
+    got = fused_experts(x, layer.w13, layer.w2, weights, experts, layer.first_expert)
+    return got, layer.experts(x, weights, experts, DecoderOps(False))
 
 
 def _lora(dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:

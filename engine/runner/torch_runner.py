@@ -27,6 +27,7 @@ from engine.lora.slot_weights import LoRASlotWeights
 from engine.model.collectives import TensorParallel
 from engine.model.loader import DecoderSpec, read_spec, resolve_max_model_len
 from engine.model.sharding import Shard, shard_spec
+from engine.model.sparse_moe import use_moe_kernels
 from engine.model.weight_loader import load_decoder
 from engine.quant.kv_scales import measure_missing_kv_scales
 from engine.quant.linear import use_kernels
@@ -114,6 +115,7 @@ class TorchModelRunner:
             kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         use_kernels(self.model, self.device)
+        use_moe_kernels(self.model, self.device)
         self.model.pack_weights()
         self.lora = None  # LoRA adapters' device slots
         if config.lora.enabled:

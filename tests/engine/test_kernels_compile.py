@@ -44,7 +44,7 @@ def test_every_gpu_kernel_compiles_for_sm90():
         timeout=600,
     )
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.split() == ["compiled"] * 18
+    assert child.stdout.split() == ["compiled"] * 22
 
 
 def compile_the_draw_kernel(logits: str) -> None:
@@ -101,7 +101,27 @@ def compile_the_dequant_gemm(
     _compile(_dequant_gemm, signature, constexprs)
 
 
+def compile_the_moe_kernels(dtype: str) -> None:
+    from engine.model import moe_kernel
+
+    blocks = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+    constexprs = blocks | {"DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+    pointers = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32"}
+    gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": "*fp32"} | pointers
+    for name in ("num_pairs", "top_k", "H", "INTER", "stride_xt", "stride_we", "stride_wn"):
+        gate_up[name] = "i32"
+    gate_up["stride_at"] = "i32"
+    _compile(moe_kernel._gate_up_act, gate_up, constexprs)
+    down = {"act_ptr": "*fp32", "w2_ptr": f"*{dtype}", "weight_ptr": "*fp32", "y_ptr": "*fp32"}
+    down |= pointers
+    for name in ("num_pairs", "H", "INTER", "stride_at", "stride_we", "stride_wn", "stride_yt"):
+        down[name] = "i32"
+    _compile(moe_kernel._down_weighted, down, constexprs)
+
+
 if __name__ == "__main__":
+    for dtype in ("bf16", "fp32"):
+        compile_the_moe_kernels(dtype)
     compile_the_dequant_gemm("bf16", True, 16)
     compile_the_dequant_gemm("bf16", False, 64)
     compile_the_dequant_gemm("fp32", True, 32)
