@@ -12,12 +12,21 @@ from loadtests.workload import WorkItem
 
 
 def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
-    """Model FLOPs the workload needs at the least: weights for every token, the vocab
-    projection once per output token, and causal attention over each token's context."""
+    """Model FLOPs the workload needs at the least: weights for every token (a mixture of
+    experts': the router and the k experts each token runs), the vocab projection once per
+    output token, and causal attention over each token's context."""
     h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     q = spec.num_heads * spec.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size
-    weights_per_token = 2 * spec.num_layers * per_layer
+    attention = h * (q + 2 * kv) + q * h
+    dense_mlp = 3 * h * spec.intermediate_size
+    moe = spec.moe
+    weights_per_token = 0
+    for layer in range(spec.num_layers):
+        mlp = dense_mlp
+        if moe is not None and moe.sparse_layers[layer]:
+            mlp = h * moe.num_experts + moe.top_k * 3 * h * moe.expert_intermediate_size
+            mlp += 3 * h * moe.shared_expert_intermediate_size + h
+        weights_per_token += 2 * (attention + mlp)
     lm_head = 2 * h * spec.vocab_size
     attn_per_ctx = 4 * q * spec.num_layers  # QK^T and PV: 2 FLOPs per MAC, per context token
     total = 0.0

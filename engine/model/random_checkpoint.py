@@ -1,5 +1,5 @@
-"""Random-weight Llama checkpoints of real models' shapes, written offline for benchmarks
-and memory tests (weights only: no tokenizer; they are fed token ids).
+"""Random-weight checkpoints of real models' shapes (Llama's, and Qwen3-MoE's), written
+offline for benchmarks and memory tests (weights only: no tokenizer; they are fed token ids).
 
     python -m engine.model.random_checkpoint --shape llama3-8b --out DIR [--device cuda]
         [--quant fp8|awq] [--tokenizer]
@@ -36,6 +36,43 @@ SHAPES = {
         "max_position_embeddings": 8192,
         "rope_theta": 500000.0,
     },
+    # Qwen3-30B-A3B's layer (128 experts of width 768, 8 per token, q/k norms, head_dim 128
+    # over hidden 2048) in 12 of its 48 layers: 15 GB in bf16, a GPU's MoE decode per layer.
+    "qwen3-30b-a3b-12l": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "head_dim": 128,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 151936,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0,
+    },
+    # The same layer shape at 2 layers and 16 experts: the CPU tests of the MoE shape path.
+    "qwen3-moe-mini": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 96,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+        "rope_theta": 1000000.0,
+    },
     # About 500M parameters: the loader's peak-memory test.
     "500m": {
         "hidden_size": 1536,
@@ -53,22 +90,38 @@ SHARD_BYTES = 4 << 30
 
 def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * head_dim
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    experts = cfg.get("num_experts", 0)
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         shapes |= {
             p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
+            p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         }
+        if cfg.get("model_type") == "qwen3_moe":
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,)}
+            shapes |= {p + "self_attn.k_norm.weight": (head_dim,)}
+        if not experts:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+            continue
+        width = cfg["moe_intermediate_size"]
+        shapes[p + "mlp.gate.weight"] = (experts, h)
+        for e in range(experts):
+            shapes |= {
+                f"{p}mlp.experts.{e}.gate_proj.weight": (width, h),
+                f"{p}mlp.experts.{e}.up_proj.weight": (width, h),
+                f"{p}mlp.experts.{e}.down_proj.weight": (h, width),
+            }
     shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     return shapes
 
@@ -92,7 +145,7 @@ def make_random_checkpoint(
         from engine.model.tiny_model import padded_tokenizer
 
         padded_tokenizer(SHAPES[shape]["vocab_size"]).save_pretrained(out)
-    cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} | SHAPES[shape]
     cfg |= {"rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     gen = torch.Generator(device=generate_on).manual_seed(seed)
@@ -112,6 +165,8 @@ def make_random_checkpoint(
 
     if quant is not None:
         cfg["quantization_config"] = QUANT_CONFIGS[quant]
+    if quant is not None and cfg.get("num_experts"):
+        raise ValueError(f"--quant: {shape} is a mixture of experts (served in float only)")
     for name, dims in weight_shapes(cfg).items():
         if quant is not None and ".layers." in name and len(dims) == 2:
             for part, tensor in _random_quantized(quant, dims, gen, generate_on).items():

@@ -193,3 +193,15 @@ class _Sharded:
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
+
+
+def test_a_random_checkpoint_of_a_moe_shape_serves_as_transformers_reads_it(tmp_path):
+    """engine/model/random_checkpoint.py's MoE shapes (the GPU stage's 12-layer Qwen3-30B-A3B
+    is one): per-expert weights under the real names, which transformers loads too."""
+    from engine.model.random_checkpoint import make_random_checkpoint
+
+    model = str(make_random_checkpoint(tmp_path / "moe", "qwen3-moe-mini", torch.float32))
+    prompts = random_prompts(9, 4, max_len=20)
+    engine = build_engine(model, 4, 60, max_num_seqs=4, max_num_batched_tokens=32)
+    tokens = run_mix(engine, prompts, [6] * 4, [0, 0, 1, 1])
+    check_against_oracle(HFOracle(model), prompts, [6] * 4, tokens)

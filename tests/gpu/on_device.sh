@@ -12,6 +12,8 @@
 #                                       # small model and 8B-shaped checkpoint
 #   bash tests/gpu/on_device.sh lora    # LoRA adapters: CUDA tests, tokens/s over 1, 4 and 16
 #                                       # adapters against the base, small model
+#   bash tests/gpu/on_device.sh moe     # mixtures of experts: fused kernels at Qwen3-30B-A3B's
+#                                       # layer shape, decode at batch 1/32/128, prefill
 #   bash tests/gpu/on_device.sh serving # the serving path over the 8B-shaped engine against
 #                                       # the same engine in process: one chat user stage by
 #                                       # stage, 64 streams, and the emulated replica beside it
@@ -133,5 +135,21 @@ case ${1:-} in
             --emulate Llama-3.1-8B@H100-80GB --concurrency 64 --workload random-256-128-512 \
             --chat --json
         ;;
-    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving" >&2 && exit 2 ;;
+    moe)
+        # Qwen3-30B-A3B's layer shape in 12 layers: the fused kernels' tests at that shape,
+        # then decode at batch 1, 32 and 128 (the JSON's roofline counts the experts a step
+        # touches) and the whole workload (prefill tokens/s).
+        checkpoint=/tmp/qwen3-30b-a3b-12l
+        step moe-tests 240 "$PY" -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_cuda_moe.py
+        [ -f "$checkpoint/config.json" ] || step checkpoint-moe 300 "$PY" -m \
+            engine.model.random_checkpoint --shape qwen3-30b-a3b-12l --out "$checkpoint" \
+            --dtype "$DTYPE" --device "$DEVICE"
+        for batch in 1 32 128; do
+            step "moe-decode$batch" 150 "$PY" -m loadtests.bench_decode --model "$checkpoint" \
+                --device "$DEVICE" --dtype "$DTYPE" --batch "$batch" --kv-cache-gb 8 --json
+        done
+        step moe-engine 300 "$PY" -m loadtests.bench_engine --model "$checkpoint" \
+            --device "$DEVICE" --dtype "$DTYPE" --repeat 1 --skip-hf --json
+        ;;
+    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving|moe" >&2 && exit 2 ;;
 esac
