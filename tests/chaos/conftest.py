@@ -104,7 +104,8 @@ async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]
 
 
 async def run_other(base_url: str) -> list[str]:
-    """OTHER's streams beside run_all's: 4 streamed, greedy; returns their texts."""
+    """OTHER's streams beside run_all's: 4 streamed, greedy (long enough to outlast the
+    fault, which comes once run_all's streams have begun); returns their texts."""
     client = openai.AsyncOpenAI(
         base_url=base_url, api_key="unused", max_retries=0, timeout=READ_TIMEOUT_S
     )
@@ -113,7 +114,7 @@ async def run_other(base_url: str) -> list[str]:
         stream = await client.completions.create(
             model=OTHER,
             prompt=prompt,
-            max_tokens=300,
+            max_tokens=160,
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
