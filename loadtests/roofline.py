@@ -25,7 +25,8 @@ def workload_flops(spec: DecoderSpec, items: list[WorkItem]) -> float:
         mlp = dense_mlp
         if moe is not None and moe.sparse_layers[layer]:
             mlp = h * moe.num_experts + moe.top_k * 3 * h * moe.expert_intermediate_size
-            mlp += 3 * h * moe.shared_expert_intermediate_size + h
+            if moe.shared_expert_intermediate_size:  # and its one-output gate
+                mlp += 3 * h * moe.shared_expert_intermediate_size + h
         weights_per_token += 2 * (attention + mlp)
     lm_head = 2 * h * spec.vocab_size
     attn_per_ctx = 4 * q * spec.num_layers  # QK^T and PV: 2 FLOPs per MAC, per context token

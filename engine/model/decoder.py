@@ -150,7 +150,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp: MLP | SparseMoE
-        if spec.moe is not None and spec.moe.sparse_layers[index]:
+        if is_sparse(spec, index):
+            assert spec.moe is not None
             shared = spec.moe.shared_expert_intermediate_size
             expert = MLP(spec.hidden_size, shared) if shared else None
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, expert, first_expert)

@@ -106,46 +106,36 @@ class ModelMetrics:
         metrics.e2e.labels(m).observe(e2e_s)
 
 
+# (counter, its description, the attribute summed, whether of the delta channels)
+_PATH_COUNTERS = (
+    ("engine_calls_direct", "Engine calls sent to the chosen replica's actor directly.",
+     "num_direct_calls", False),
+    ("engine_calls_routed", "Engine calls sent through Serve's handle.", "num_handle_calls",
+     False),
+    ("channel_messages", "Delta channel messages taken.", "num_messages", True),
+    ("channel_deltas", "Request deltas those messages held.", "num_deltas", True),
+    ("response_wakeups", "Wake-ups of streamed responses for deltas.", "num_wakeups", True),
+)  # fmt: skip
+
+
 class _PathCollector:
     """What the streaming path costs: engine calls sent to a replica's actor directly and
     through Serve's handle; per engine step, the Ray messages the ingress took (at most one per
     engine step per engine replica), the deltas in them, and the wake-ups of the responses that
-    read them (at most one per response per step: never one per token)."""
+    read them (at most one per response per step: never one per token). Summed over the
+    models' engine clients."""
 
     def __init__(self) -> None:
         self.clients: list[EngineClient] = []
 
     def collect(self):
-        clients = self.clients
-        counts = {
-            "engine_calls_direct": (
-                "Engine calls sent to the chosen replica's actor directly.",
-                sum(client.num_direct_calls for client in clients),
-            ),
-            "engine_calls_routed": (
-                "Engine calls sent through Serve's handle.",
-                sum(client.num_handle_calls for client in clients),
-            ),
-        }
-        channels = [client.channels for client in clients if client.channels is not None]
-        if channels:
-            counts |= {
-                "channel_messages": (
-                    "Delta channel messages taken.",
-                    sum(c.num_messages for c in channels),
-                ),
-                "channel_deltas": (
-                    "Request deltas those messages held.",
-                    sum(c.num_deltas for c in channels),
-                ),
-                "response_wakeups": (
-                    "Wake-ups of streamed responses for deltas.",
-                    sum(c.num_wakeups for c in channels),
-                ),
-            }
-        for name, (doc, value) in counts.items():
+        channels = [client.channels for client in self.clients if client.channels is not None]
+        for name, doc, attribute, of_channels in _PATH_COUNTERS:
+            if of_channels and not channels:
+                continue
+            sources = channels if of_channels else self.clients
             family = CounterMetricFamily(f"dynabatch_ingress_{name}", doc)
-            family.add_metric([], value)
+            family.add_metric([], sum(getattr(source, attribute) for source in sources))
             yield family
 
 
