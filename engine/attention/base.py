@@ -43,10 +43,14 @@ class AttentionBackend(ABC):
     each query over its request's cached keys, shaped like q ([T, num_heads, head_dim]).
     An FP8 cache (dtype FP8_KV, only for backends with `supports_fp8_kv`) holds k / k_scale
     and v / v_scale (`kv_scales`), and attention reads every key and value, the step's own
-    included, as the cache holds them.
+    included, as the cache holds them. `sinks` ([num_heads] logits, only for backends with
+    `supports_sinks`) join each head's softmax as a key without a value; a layer that is not
+    `windowed` attends over the whole context even where the step has a sliding window
+    (layers of both kinds: only for backends with `supports_sinks`).
     """
 
     supports_fp8_kv = False
+    supports_sinks = False
 
     name: str
 
@@ -64,6 +68,8 @@ class AttentionBackend(ABC):
         metadata: object,
         scale: float,
         kv_scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
+        windowed: bool = True,
     ) -> torch.Tensor: ...
 
     # Backends whose decode path a CUDA graph can capture (engine/runner/decode_graphs.py).

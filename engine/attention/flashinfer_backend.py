@@ -72,6 +72,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         metadata: FlashInferMetadata,
         scale: float,
         kv_scales: object = None,  # FP8 caches are not run here (supports_fp8_kv)
+        sinks: object = None,  # nor sinks and per-layer windows (supports_sinks)
+        windowed: bool = True,
     ) -> torch.Tensor:
         m = metadata
         write_kv(k, v, k_cache, v_cache, m.slot_mapping)

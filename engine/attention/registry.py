@@ -33,6 +33,9 @@ class AttentionShape:
     head_dim: int
     block_size: int
     kv_cache_dtype: str | None = None  # the knob's value; None: the model's dtype
+    # The model's layers differ in what they attend to: attention sinks, or a sliding
+    # window on some layers only (gpt-oss).
+    per_layer: bool = False
 
 
 def get_attention_backend(name: str, shape: AttentionShape) -> tuple[AttentionBackend, str]:
@@ -113,6 +116,11 @@ def _cannot_run(name: str, shape: AttentionShape) -> tuple[str, str] | None:
             return "dtype", f"runs float16 or bfloat16, not {shape.dtype}"
         if shape.head_dim not in FLASHINFER_HEAD_DIMS:
             return "head_dim", f"head_dim {shape.head_dim} not in {FLASHINFER_HEAD_DIMS}"
+        if shape.per_layer:
+            return "model", (
+                "plans one window for every layer and has no attention sinks (the model's "
+                "layers differ: triton and torch run them)"
+            )
         return None
     raise AssertionError(name)
 

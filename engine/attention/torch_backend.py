@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,9 @@ class _Prefill:
     end: int
     seq_len: int  # cache length after this step
     block_ids: torch.Tensor | None  # None when nothing was cached before: attend to fresh k/v
-    # [n, seq_len] bool when part of the context is cached; built by the reference path on
-    # first use (the native kernel needs none), at most once per step.
-    mask: torch.Tensor | None = None
+    # windowed -> [n, seq_len] bool, the keys each query sees; built by the reference path on
+    # first use (the native kernel needs none), at most once per step and kind of layer.
+    masks: dict[bool, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,13 +37,23 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_block_table: torch.Tensor  # [Bd, nb]
     decode_seq_lens: torch.Tensor  # [Bd] int64
-    # [Bd, 1, 1, nb * block_size] bool, key within context; built only by the reference path
-    # (the native kernel reads seq_lens), at most once per step.
-    decode_mask: torch.Tensor | None
     prefills: list[_Prefill]
     sliding_window: int | None = None
     # An FP8 cache's blocks read this step and the metadata over them (`_compact`).
     fp8_compact: tuple[torch.Tensor, TorchAttentionMetadata] | None = None
+    # windowed -> [Bd, 1, 1, nb * block_size] bool, key within context; built only by the
+    # reference path (the native kernel reads seq_lens), at most once per step and kind of
+    # layer.
+    decode_masks: dict[bool, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention adds to the step's: its sinks, and the window it keeps
+    (None where it attends over the whole context)."""
+
+    sinks: torch.Tensor | None
+    window: int | None
 
 
 # cuDNN's SDPA builds an execution plan per new shape, and a serving batch has a new shape
@@ -56,12 +66,40 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D]: causal where `mask` is None, else
+    over the keys `mask` (bool, broadcast to [B, H, Lq, Lk]) lets each query see. `sinks`
+    [H] join each head's softmax as one more key, whose value is zero and whose score is the
+    sink (a float mask adds it to a zero key's)."""
+    if sinks is None:
+        if mask is None:
+            return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return _sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    (b, h, lq, _), lk = q.shape, k.shape[2]
+    if mask is None:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    bias = torch.zeros(b, h, lq, lk + 1, dtype=q.dtype, device=q.device)
+    bias[..., :lk].masked_fill_(~mask, float("-inf"))
+    bias[..., lk] = sinks.to(q.dtype)[None, :, None]
+    zero = k.new_zeros(b, k.shape[1], 1, k.shape[3])
+    k, v = torch.cat([k, zero], 2), torch.cat([v, zero], 2)
+    return _sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Decodes: one SDPA call over a padded gather of their blocks. Prefill chunks: one SDPA
     call each, causal over the fresh chunk, or masked over cache + chunk when resuming."""
 
     name = "torch"
     supports_fp8_kv = True
+    supports_sinks = True
 
     def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
         bs = layout.block_size
@@ -84,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
             nb = -(-seq_len // bs)
             prefills.append(_Prefill(start, end, seq_len, layout.block_table[i, :nb]))
         return TorchAttentionMetadata(
-            layout.slot_mapping, nd, dbt, seq_lens, None, prefills, layout.sliding_window
+            layout.slot_mapping, nd, dbt, seq_lens, prefills, layout.sliding_window
         )
 
     # Graph-safe decode metadata, but no graphs in the runner: a padded gather reads every
@@ -102,7 +140,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> TorchAttentionMetadata:
         assert max_query_len == 1, "the torch backend's graph-safe metadata is for decodes"
         return TorchAttentionMetadata(
-            slot_mapping, len(seq_lens), block_table, seq_lens, None, [], sliding_window
+            slot_mapping, len(seq_lens), block_table, seq_lens, [], sliding_window
         )
 
     def forward(
@@ -115,15 +153,18 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
         kv_scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
+        windowed: bool = True,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, kv_scales)
+        layer = LayerAttention(sinks, metadata.sliding_window if windowed else None)
         if k_cache.dtype == FP8_KV:  # attend to what the cache holds, fresh tokens too
             assert kv_scales is not None
-            return self._fp8_forward(q, k, v, k_cache, v_cache, metadata, scale, kv_scales)
+            return self._fp8_forward(q, k, v, k_cache, v_cache, metadata, scale, kv_scales, layer)
         out = torch.empty_like(q)
         if metadata.num_decodes:
-            self.decode(q, k_cache, v_cache, metadata, scale, out)
-        self.prefill(q, k, v, k_cache, v_cache, metadata, scale, out)
+            self.decode(q, k_cache, v_cache, metadata, scale, out, layer)
+        self.prefill(q, k, v, k_cache, v_cache, metadata, scale, out, layer)
         return out
 
     def decode(
@@ -134,26 +175,24 @@ class TorchAttentionBackend(AttentionBackend):
         m: TorchAttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        layer: LayerAttention,
     ) -> None:
         """Attention of the decode rows (the first `m.num_decodes` of q) into `out`."""
         nd = m.num_decodes
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        if m.decode_mask is None:
+        window = layer.window
+        mask = m.decode_masks.get(window is not None)
+        if mask is None:
             keys = torch.arange(m.decode_block_table.shape[1] * k_cache.shape[1], device=q.device)
             mask = keys[None, :] < m.decode_seq_lens[:, None]
-            if m.sliding_window is not None:
-                mask &= keys[None, :] >= m.decode_seq_lens[:, None] - m.sliding_window
-            m.decode_mask = mask.view(nd, 1, 1, -1)
-        length = m.decode_mask.shape[-1]
+            if window is not None:
+                mask &= keys[None, :] >= m.decode_seq_lens[:, None] - window
+            mask = m.decode_masks[window is not None] = mask.view(nd, 1, 1, -1)
+        length = mask.shape[-1]
         kd = k_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
         vd = v_cache[m.decode_block_table].view(nd, length, num_kv_heads, head_dim)
-        od = _sdpa(
-            q[:nd].unsqueeze(2),
-            kd.transpose(1, 2),
-            vd.transpose(1, 2),
-            attn_mask=m.decode_mask,
-            scale=scale,
-            enable_gqa=True,
+        od = _attend(
+            q[:nd].unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2), mask, scale, layer.sinks
         )
         out[:nd] = od.squeeze(2)
 
@@ -167,35 +206,38 @@ class TorchAttentionBackend(AttentionBackend):
         m: TorchAttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        layer: LayerAttention,
     ) -> None:
         """Attention of every prefill chunk's rows into `out`."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        window = m.sliding_window
+        window = layer.window
         for p in m.prefills:
             qi = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
             if p.block_ids is None and (window is None or p.seq_len <= window):
                 ki = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
                 vi = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                oi = _sdpa(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                oi = _attend(qi, ki, vi, None, scale, layer.sinks)
             else:
-                if p.mask is None:
+                mask = p.masks.get(window is not None)
+                if mask is None:
                     k_pos = torch.arange(p.seq_len, device=q.device)
                     q_pos = k_pos[p.seq_len - (p.end - p.start) :]
-                    p.mask = k_pos[None, :] <= q_pos[:, None]
+                    mask = k_pos[None, :] <= q_pos[:, None]
                     if window is not None:
-                        p.mask &= k_pos[None, :] > q_pos[:, None] - window
+                        mask &= k_pos[None, :] > q_pos[:, None] - window
+                    p.masks[window is not None] = mask
                 if p.block_ids is None:  # a fresh chunk longer than the window
                     ki, vi = k[p.start : p.end], v[p.start : p.end]
                 else:
                     ki = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
                     vi = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
-                oi = _sdpa(
+                oi = _attend(
                     qi,
                     ki.transpose(0, 1).unsqueeze(0),
                     vi.transpose(0, 1).unsqueeze(0),
-                    attn_mask=p.mask,
-                    scale=scale,
-                    enable_gqa=True,
+                    mask,
+                    scale,
+                    layer.sinks,
                 )
             out[p.start : p.end] = oi[0].transpose(0, 1)
 
@@ -209,6 +251,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
         kv_scales: KVScales,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """`forward` over an FP8 cache: the blocks the step reads are dequantized into a
         compact float cache (the rest is never touched), and the step's own k/v go through
@@ -227,8 +270,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_used, v_used = read(k_bytes, used, kv_scales[0]), read(v_bytes, used, kv_scales[1])
         out = torch.empty_like(q)
         if compact.num_decodes:
-            self.decode(q, k_used, v_used, compact, scale, out)
-        self.prefill(q, k, v, k_used, v_used, compact, scale, out)
+            self.decode(q, k_used, v_used, compact, scale, out, layer)
+        self.prefill(q, k, v, k_used, v_used, compact, scale, out, layer)
         return out
 
 
@@ -242,8 +285,8 @@ def _compact(m: TorchAttentionMetadata) -> tuple[torch.Tensor, TorchAttentionMet
     remap = remap.to(used.device)
     remap[used] = torch.arange(len(used), device=used.device)
     prefills = [
-        replace(p, block_ids=None if p.block_ids is None else remap[p.block_ids], mask=None)
+        replace(p, block_ids=None if p.block_ids is None else remap[p.block_ids], masks={})
         for p in m.prefills
     ]
     table = remap[m.decode_block_table]
-    return used, replace(m, decode_block_table=table, decode_mask=None, prefills=prefills)
+    return used, replace(m, decode_block_table=table, decode_masks={}, prefills=prefills)

@@ -25,6 +25,7 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_fp8_kv = True
+    supports_sinks = True
 
     def __init__(self) -> None:
         # Imported here: triton is needed only by whoever picks this backend.
@@ -70,6 +71,8 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: TritonAttentionMetadata,
         scale: float,
         kv_scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
+        windowed: bool = True,
     ) -> torch.Tensor:
         m = metadata
         if k_cache.dtype == FP8_KV:
@@ -91,7 +94,8 @@ class TritonAttentionBackend(AttentionBackend):
             m.seq_lens,
             m.max_query_len,
             scale,
-            m.sliding_window,
+            m.sliding_window if windowed else None,
             kv_scales,
+            sinks,
         )
         return out

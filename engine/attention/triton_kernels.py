@@ -27,6 +27,7 @@ def _paged_attention(
     v_cache_ptr,
     k_scale_ptr,  # FP8: the caches' scales (0-d float32)
     v_scale_ptr,
+    sinks_ptr,  # SINKS: [H] each head's sink logit
     out_ptr,  # [T, H, D]
     block_table_ptr,  # [B, max_blocks]
     query_start_ptr,  # [B + 1]
@@ -51,6 +52,7 @@ def _paged_attention(
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps float32 exact (no TF32) on GPUs
     DOT_FLOAT32: tl.constexpr,  # upcast the dots' operands (see `_dot_in_float32`)
     FP8: tl.constexpr,  # the caches hold float8 e4m3 bytes, x its scale
+    SINKS: tl.constexpr,  # a sink logit per head joins the softmax (gpt-oss)
 ):
     # One program: TOKENS query tokens x the GROUP query heads that share one kv head, as
     # the rows of one tile, so every K/V tile is read once for the whole group.
@@ -80,6 +82,12 @@ def _paged_attention(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        # The sink as the first key seen: its score is the running max, its weight 1, and
+        # it adds nothing to the output (base 2, as the scores).
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = sink * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     k_scale = 1.0
@@ -199,11 +207,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every request's new queries over its cached keys (the new K/V
     already written), into `out`; with a sliding window, over the last `sliding_window`
     positions only. q and out: [T, H, D] with unit stride over D. An FP8 cache
-    (torch.float8_e4m3fn) is read times `kv_scales`."""
+    (torch.float8_e4m3fn) is read times `kv_scales`; `sinks` ([H]) join each head's
+    softmax as keys without values."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (q, q)  # unread without FP8
     num_requests = seq_lens.shape[0]
@@ -221,6 +231,7 @@ def paged_attention(
         v_cache.view(torch.uint8) if fp8 else v_cache,
         k_scale,
         v_scale,
+        q if sinks is None else sinks,  # unread without sinks
         out,
         block_table,
         query_start_loc,
@@ -245,6 +256,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FLOAT32=_dot_in_float32(q.dtype),
         FP8=fp8,
+        SINKS=sinks is not None,
         # Prefill tiles of large heads hold a 64 x head_dim float32 accumulator: more warps
         # share it instead of spilling registers.
         num_warps=8 if rows * block_d >= 64 * 128 else 4,

@@ -3,7 +3,8 @@
 Decodes run as one native call that reads K/V straight from the paged cache; prefill chunks
 as one native flash-style call for all of them (AVX2 + FMA or AVX-512 hosts). Whatever a
 kernel cannot take (no compiler, another dtype or device, a head size the prefill kernel does
-not tile, no scratch memory, a sliding window) runs the torch reference instead, row for row.
+not tile, no scratch memory, a sliding window, attention sinks) runs the torch reference
+instead, row for row.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
-from engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from engine.attention.torch_backend import (
+    LayerAttention,
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+)
 from engine.cpu.attention_kernels import (
     PrefillChunks,
     load_native_decode,
@@ -33,6 +38,7 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     supports_fp8_kv = False  # the native kernels read float32 caches
+    supports_sinks = True  # the layers with sinks run the torch reference
     # CPU steps run eagerly: no graph code runs there.
     supports_graphs = False
     decode_metadata = AttentionBackend.decode_metadata
@@ -73,10 +79,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         m: CpuAttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        layer: LayerAttention,
     ) -> None:
-        native = self._decode_lib is not None and m.sliding_window is None
+        native = self._decode_lib is not None and layer.window is None and layer.sinks is None
         if not native or not native_decode_supported(q, k_cache):
-            super().decode(q, k_cache, v_cache, m, scale, out)
+            super().decode(q, k_cache, v_cache, m, scale, out, layer)
             return
         nd = m.num_decodes
         paged_decode_attention(
@@ -100,13 +107,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         m: CpuAttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        layer: LayerAttention,
     ) -> None:
         if (
             m.native_prefills is not None
+            and layer.window is None
+            and layer.sinks is None
             and native_prefill_supported(q, k_cache)
             and paged_prefill_attention(
                 self._prefill_lib, q, k_cache, v_cache, m.native_prefills, out, scale
             )
         ):
             return
-        super().prefill(q, k, v, k_cache, v_cache, m, scale, out)
+        super().prefill(q, k, v, k_cache, v_cache, m, scale, out, layer)

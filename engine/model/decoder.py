@@ -1,5 +1,5 @@
 """Our own Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV cache.
+Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) over a paged KV cache.
 
 One forward runs every scheduled token of every request as one packed batch (no padding);
 attention goes through the AttentionBackend interface.
@@ -42,7 +42,7 @@ def _adapted(
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
@@ -55,10 +55,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
+        # gpt-oss: each head's sink logit (engine/model/loader.py); its windowed and full
+        # layers alternate.
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks else None
+        self.windowed = spec.windowed(index)
         # An FP8 KV cache's scales (engine/model/weight_loader.py sets them); with
         # `calculate_kv_scales`, the next step with tokens sets them from its keys and values.
         self.kv_scales: KVScales | None = None
@@ -93,7 +97,10 @@ class Attention(nn.Module):
         _adapted(self.lora, "self_attn.qkv_proj", qkv, x, 1)
         # Attention works per token: one transpose of q/k/v, then the token-major path.
         out = self.attend(ops.transposed(qkv), rotate, kv_cache, backend, metadata).t()
-        return _adapted(self.lora, "self_attn.o_proj", ops.mm_fm(self.o_proj.weight, out), out, 1)
+        o = ops.mm_fm(self.o_proj.weight, out)
+        if self.o_proj.bias is not None:
+            o += self.o_proj.bias[:, None]
+        return _adapted(self.lora, "self_attn.o_proj", o, out, 1)
 
     def attend(
         self,
@@ -119,7 +126,16 @@ class Attention(nn.Module):
             calculate_kv_scales(self.kv_scales, k, v)
             self.calculate_kv_scales = False
         out = backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, kv_scales=self.kv_scales
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            metadata,
+            self.scale,
+            kv_scales=self.kv_scales,
+            sinks=self.sinks,
+            windowed=self.windowed,
         )
         return out.reshape(t, self.q_size)
 
@@ -147,7 +163,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, index: int, first_expert: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, index)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp: MLP | SparseMoE
         if is_sparse(spec, index):

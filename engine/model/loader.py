@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Families with Qwen's layout: q/k/v biases (qwen2), per-head q/k norms (qwen3), the
 # sliding-window fields.
@@ -46,6 +47,17 @@ class DecoderSpec:
     sliding_window: int | None
     quantization: QuantScheme | None = None  # the checkpoint's quantized format
     moe: MoESpec | None = None  # mixture-of-experts layers (None: every MLP dense)
+    o_proj_bias: bool = False  # Llama's attention_bias, gpt-oss: a bias on o_proj too
+    # gpt-oss: a learned logit per query head that joins every softmax as a key with no
+    # value, so a head can attend to nothing.
+    attention_sinks: bool = False
+    # Per layer, whether `sliding_window` applies to it (gpt-oss alternates windowed and
+    # full layers); None: every layer alike.
+    window_layers: tuple[bool, ...] | None = None
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer `layer` attends within `sliding_window` (where there is one)."""
+        return self.window_layers is None or self.window_layers[layer]
 
 
 def resolve_max_model_len(value: int | str, spec: DecoderSpec) -> int:
@@ -85,6 +97,8 @@ def read_spec(model: str) -> DecoderSpec:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", family in _QWEN2)))
+    window, window_layers = _sliding_window(cfg, family)
     return DecoderSpec(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -99,32 +113,37 @@ def read_spec(model: str) -> DecoderSpec:
         rope_scaling=None if rope_type == "default" else dict(rope),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", family in _QWEN2))),
+        attention_bias=attention_bias,
         qk_norm=family in _QWEN3,
-        sliding_window=_sliding_window(cfg, family),
+        sliding_window=window,
         quantization=scheme,
         moe=read_moe(cfg, family, cfg["num_hidden_layers"]),
+        o_proj_bias=attention_bias and family in ("llama", "gpt_oss"),
+        attention_sinks=family == "gpt_oss",
+        window_layers=window_layers,
     )
 
 
-def _sliding_window(cfg: dict, family: str) -> int | None:
-    """The one window every layer uses, or None. Per-layer kinds (config `layer_types`, or
-    Qwen's window from layer `max_window_layers` on) must agree: the attention backends take
-    one window per model."""
+def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple[bool, ...] | None]:
+    """The window and which layers use it (None: all of them). Per-layer kinds come from
+    config `layer_types`, or Qwen's window from layer `max_window_layers` on."""
     window = cfg.get("sliding_window")
     qwen = family in _QWEN2 + _QWEN3
     if window is None or (qwen and not cfg.get("use_sliding_window")):
-        return None
+        return None, None
     num_layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
     if kinds is None and qwen:
         first = cfg.get("max_window_layers", 0)
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     if kinds is None or set(kinds) == {"sliding_attention"}:
-        return window
+        return window, None
     if set(kinds) == {"full_attention"}:
-        return None
-    raise ValueError(
-        "model: a sliding window on some layers only is not supported "
-        f"(layer_types {sorted(set(kinds))})"
-    )
+        return None, None
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown or len(kinds) != num_layers:
+        raise ValueError(
+            f"model: config.json.layer_types must name one of sliding_attention, "
+            f"full_attention per layer, got {kinds!r}"
+        )
+    return window, tuple(kind == "sliding_attention" for kind in kinds)

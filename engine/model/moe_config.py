@@ -1,7 +1,7 @@
 """The mixture-of-experts fields of a checkpoint's config.json (pure Python): how many
 experts, how many each token takes and how their weights are normalized, which layers are
-sparse, and a shared expert. A field the engine does not implement is a start error naming
-`config.json.<field>`."""
+sparse, a shared expert, and gpt-oss's biased router and clamped SwiGLU experts. A field the
+engine does not implement is a start error naming `config.json.<field>`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ class MoESpec:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one expert every token runs, gated
     # Under expert parallelism, the experts one rank holds (a contiguous run of them); 0: all.
     experts_held: int = 0
+    # gpt-oss: the router and every expert's projections carry biases, the top-k weights are
+    # the softmax over the k chosen logits alone, and the experts' activation is the clamped
+    # SwiGLU (up + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up clamped to ±limit,
+    # their gate and up rows interleaved (gate_up[2j] and gate_up[2j + 1]).
+    gpt_oss_experts: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def held(self) -> int:
@@ -38,7 +45,8 @@ class MoESpec:
 
 def expert_weight_names(architecture: str, layer: int) -> tuple[str, tuple[str, str, str]]:
     """A sparse layer's checkpoint prefix (its router is `<prefix>gate.weight`, expert e's
-    weights `<prefix>experts.<e>.<name>.weight`) and its experts' (gate, up, down) names."""
+    weights `<prefix>experts.<e>.<name>.weight`) and its experts' (gate, up, down) names.
+    (gpt-oss stacks its experts instead: engine/model/weight_loader.py.)"""
     if architecture == "MixtralForCausalLM":
         return f"model.layers.{layer}.block_sparse_moe.", ("w1", "w3", "w2")
     return f"model.layers.{layer}.mlp.", ("gate_proj", "up_proj", "down_proj")
@@ -47,7 +55,7 @@ def expert_weight_names(architecture: str, layer: int) -> tuple[str, tuple[str, 
 def read_moe(cfg: dict, family: str, num_layers: int) -> MoESpec | None:
     """The checkpoint's MoESpec (None for a dense family). Raises ValueError naming
     config.json's field that the engine cannot serve."""
-    if family not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if family not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         return None
     for field, allowed in _UNSUPPORTED.items():
         if cfg.get(field, allowed[0]) not in allowed:
@@ -62,6 +70,18 @@ def read_moe(cfg: dict, family: str, num_layers: int) -> MoESpec | None:
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(
             f"model: config.json.num_experts_per_tok must be in [1, {num_experts}], got {top_k!r}"
+        )
+    if family == "gpt_oss":  # every layer sparse; the weights a softmax over the top k
+        return MoESpec(
+            num_experts,
+            top_k,
+            cfg["intermediate_size"],
+            False,
+            False,
+            (True,) * num_layers,
+            gpt_oss_experts=True,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         )
     if family == "mixtral":  # every layer sparse, weights renormalized, no shared expert
         return MoESpec(

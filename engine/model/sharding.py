@@ -58,6 +58,12 @@ def shard_spec(spec: DecoderSpec, world_size: int, expert_parallel: bool = False
         columns = ("moe_intermediate_size", moe.expert_intermediate_size)
         dims.append(experts if expert_parallel else columns)
         dims.append(("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
+    if moe is not None and moe.gpt_oss_experts and not expert_parallel and world_size > 1:
+        raise InvalidParam(
+            "expert_parallel",
+            "expert_parallel: gpt-oss's experts are split whole over the tensor-parallel ranks "
+            "(expert_parallel: true), not by columns",
+        )
     for field, value in dims:
         if value % world_size:
             raise InvalidParam(
@@ -105,6 +111,9 @@ def checkpoint_slices(full: DecoderSpec, shard: Shard) -> dict[str, SliceOf]:
                     0, rank * size, size, size * world
                 )
         slices[f"{src}self_attn.o_proj.weight"] = SliceOf(1, rank * q, q, q * world)
+        if full.attention_sinks:
+            heads = full.num_heads // world
+            slices[f"{src}self_attn.sinks"] = SliceOf(0, rank * heads, heads, full.num_heads)
         for part in ("gate", "up"):
             slices[f"{src}mlp.{part}_proj.weight"] = SliceOf(0, rank * inter, inter, inter * world)
         slices[f"{src}mlp.down_proj.weight"] = SliceOf(1, rank * inter, inter, inter * world)
@@ -125,6 +134,15 @@ def _expert_slices(full: DecoderSpec, shard: Shard) -> dict[str, SliceOf]:
     assert moe is not None
     world, rank = shard.world_size, shard.rank
     slices = {}
+    if moe.gpt_oss_experts:  # stacked experts: a rank reads its run of them
+        held = moe.num_experts // world
+        experts = SliceOf(0, rank * held, held, moe.num_experts)
+        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        return {
+            f"model.layers.{i}.mlp.experts.{name}": experts
+            for i in range(full.num_layers)
+            for name in names
+        }
     for i, sparse in enumerate(moe.sparse_layers):
         if not sparse:
             continue

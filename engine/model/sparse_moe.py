@@ -1,9 +1,12 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each
-token's top-k experts; the tokens are grouped by expert, so that each expert runs one GEMM
-over all of its tokens (never a loop over tokens), and the outputs, weighted, are summed back
-in the tokens' order; Qwen2-MoE adds a shared expert every token runs, behind a sigmoid gate.
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): a router picks
+each token's top-k experts; the tokens are grouped by expert, so that each expert runs one
+GEMM over all of its tokens (never a loop over tokens), and the outputs, weighted, are summed
+back in the tokens' order; Qwen2-MoE adds a shared expert every token runs, behind a sigmoid
+gate.
 
-The experts' weights are stacked: `w13` [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I].
+The experts' weights are stacked: `w13` [E, 2I, H] (gate rows, then up rows; gpt-oss's
+interleaved, as its checkpoint has them) and `w2` [E, H, I]; gpt-oss's biases `b13` [E, 2I]
+and `b2` [E, H].
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.moe, self.first_expert = moe, first_expert
         inter = moe.expert_intermediate_size
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        biased = moe.gpt_oss_experts
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=biased)
         self.w13 = nn.Parameter(torch.empty(moe.held, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(moe.held, hidden_size, inter))
+        self.b13 = nn.Parameter(torch.empty(moe.held, 2 * inter)) if biased else None
+        self.b2 = nn.Parameter(torch.empty(moe.held, hidden_size)) if biased else None
         self.shared_expert = shared
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
         # The fused Triton kernels (engine/model/moe_kernel.py) on CUDA, once the GPU
@@ -55,7 +61,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k]: the softmax over all
-        the experts' logits (float32), renormalized over the top k where the model says."""
+        the experts' logits (float32), renormalized over the top k where the model says;
+        gpt-oss's, the softmax over the top k logits."""
+        if self.moe.gpt_oss_experts:
+            logits, experts = torch.topk(self.gate(x), self.moe.top_k, dim=-1)
+            return torch.softmax(logits.float(), dim=-1).to(x.dtype), experts
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
@@ -81,11 +91,28 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            gate_up = torch.nn.functional.linear(x[rows], self.w13[held])
-            y = torch.nn.functional.linear(ops.silu_mul(gate_up), self.w2[held])
+            y = self._expert(held, x[rows], ops)
             out.index_add_(0, rows, (y * row_weights[start : start + count, None]).to(x.dtype))
             start += count
         return out
+
+    def _expert(self, held: int, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
+        """The `held`-th expert of this rank on rows `x`."""
+        if self.b13 is None:
+            gate_up = torch.nn.functional.linear(x, self.w13[held])
+            return torch.nn.functional.linear(ops.silu_mul(gate_up), self.w2[held])
+        assert self.b2 is not None
+        gate_up = torch.nn.functional.linear(x, self.w13[held], self.b13[held])
+        act = clamped_swiglu(gate_up, self.moe.swiglu_alpha, self.moe.swiglu_limit)
+        return torch.nn.functional.linear(act, self.w2[held], self.b2[held])
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over interleaved gate/up columns: (up + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit), up clamped to [-limit, limit]."""
+    gate = gate_up[..., ::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def moe_layers(model: nn.Module) -> list[SparseMoE]:
@@ -94,6 +121,6 @@ def moe_layers(model: nn.Module) -> list[SparseMoE]:
 
 def use_moe_kernels(model: nn.Module, device: torch.device) -> None:
     """The fused kernels for every mixture-of-experts layer on CUDA (the self-check may take
-    them back)."""
+    them back); gpt-oss's biased, clamped experts run the grouped torch path."""
     for layer in moe_layers(model):
-        layer.kernel = device.type == "cuda"
+        layer.kernel = device.type == "cuda" and layer.b13 is None

@@ -137,6 +137,27 @@ ARCHS = {
             "use_sliding_window": False,
         },
     ),
+    # Attention sinks; windowed layers (a window shorter than the test prompts) alternating
+    # with full ones; YaRN rope; a biased router over 8 experts, 2 per token, biased clamped
+    # SwiGLU experts.
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 12,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
 }
 
 _SYLLABLES = [
@@ -269,7 +290,7 @@ def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id
     spec = SIZES[size]
     config_cls_name, model_cls_name, extra = ARCHS[arch]
     extra = {"tie_word_embeddings": False, **extra}
-    if arch.startswith("qwen3"):
+    if arch.startswith(("qwen3", "gpt-oss")):
         extra["head_dim"] = spec.hidden_size // spec.num_attention_heads
     config = getattr(transformers, config_cls_name)(
         vocab_size=spec.vocab_size,
@@ -296,6 +317,10 @@ def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("_bias") or name.endswith(".sinks"):
+                # gpt-oss's expert biases; sinks of a logit's size, so that they matter.
+                scale = 1.0 if name.endswith(".sinks") else 0.1
+                param.copy_(scale * torch.randn(param.shape, generator=gen))
             else:
                 # Larger than HF's 0.02 so that logits spread out and argmax ties are rare.
                 param.copy_(spec.init_std * torch.randn(param.shape, generator=gen))

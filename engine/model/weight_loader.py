@@ -95,6 +95,10 @@ def load_decoder(
         raise
     finally:
         reader.close()
+    if tp is not None and tp.shard.rank and spec.o_proj_bias:
+        # o_proj is row-parallel: the ranks' outputs are summed, and its bias counted once.
+        for layer in decoder.layers:
+            layer.self_attn.o_proj.bias.data.zero_()
     decoder.loaded_bytes = reader.bytes_read
     return decoder.eval()
 
@@ -145,6 +149,8 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
                 for part, part_rows in zip(parts, rows, strict=True):
                     targets[f"{src}{part}.{kind}"] = fused[part_rows]
         attn = layer.self_attn
+        if attn.sinks is not None:
+            targets[f"{src}self_attn.sinks"] = attn.sinks.data
         if spec.qk_norm:
             targets[f"{src}self_attn.q_norm.weight"] = attn.q_norm.weight.data
             targets[f"{src}self_attn.k_norm.weight"] = attn.k_norm.weight.data
@@ -161,6 +167,8 @@ def _expert_targets(moe: SparseMoE, layer: int, architecture: str) -> dict[str, 
     """A mixture-of-experts layer's checkpoint weights: the router, each expert's gate, up and
     down projections (into its rows of the stacked w13 and w2; under expert parallelism only
     the experts this rank holds), Qwen2-MoE's shared expert and its gate."""
+    if moe.b13 is not None:
+        return _stacked_expert_targets(moe, layer)
     prefix, (gate, up, down) = expert_weight_names(architecture, layer)
     inter = moe.moe.expert_intermediate_size
     targets = {f"{prefix}gate.weight": moe.gate.weight.data}
@@ -178,6 +186,23 @@ def _expert_targets(moe: SparseMoE, layer: int, architecture: str) -> dict[str, 
         targets[f"{shared}down_proj.weight"] = moe.shared_expert.down_proj.weight.data
         targets[f"{prefix}shared_expert_gate.weight"] = moe.shared_expert_gate.weight.data
     return targets
+
+
+def _stacked_expert_targets(moe: SparseMoE, layer: int) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts, stacked in the checkpoint: gate_up_proj [E, H, 2I] (gate and up
+    columns interleaved) and down_proj [E, I, H], each the transpose of ours, and their
+    biases; its router `router`, biased. (Under expert parallelism the loader's slices pick
+    this rank's experts.)"""
+    assert moe.b13 is not None and moe.b2 is not None and moe.gate.bias is not None
+    prefix = f"model.layers.{layer}.mlp."
+    return {
+        f"{prefix}router.weight": moe.gate.weight.data,
+        f"{prefix}router.bias": moe.gate.bias.data,
+        f"{prefix}experts.gate_up_proj": moe.w13.data.transpose(1, 2),
+        f"{prefix}experts.gate_up_proj_bias": moe.b13.data,
+        f"{prefix}experts.down_proj": moe.w2.data.transpose(1, 2),
+        f"{prefix}experts.down_proj_bias": moe.b2.data,
+    }
 
 
 def _row_slices(*sizes: int) -> list[slice]:

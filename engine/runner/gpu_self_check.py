@@ -143,7 +143,8 @@ def _mismatch(
 
 def _attention(dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:
     """Two decodes and a prefill chunk resuming on a cached prefix, over a scratch cache of
-    the model's cache layout and dtype (the real cache is not touched)."""
+    the model's cache layout and dtype (the real cache is not touched), with attention sinks
+    where the model has them."""
     spec, device, bs = dm.spec, dm.device, dm.block_size
     gen = torch.Generator(device="cpu").manual_seed(0)
     shapes = [(3 * bs + 1, 1), (bs // 2, 1), (bs + 3, 2 * bs + 5)]  # (cached, new)
@@ -178,12 +179,15 @@ def _attention(dm: DeviceModel) -> tuple[torch.Tensor, torch.Tensor]:
     scales = None
     if dm.kv_dtype == FP8_KV:
         scales = (torch.tensor(1.0, device=device), torch.tensor(1.0, device=device))
+    sinks = randn(heads) if spec.attention_sinks else None
     outputs = []
     for backend in (dm.backend, TorchAttentionBackend()):
         k_cache, v_cache = (c.clone() for c in cache)
         metadata = backend.prepare(layout)
         outputs.append(
-            backend.forward(q, k, v, k_cache, v_cache, metadata, dim**-0.5, kv_scales=scales)
+            backend.forward(
+                q, k, v, k_cache, v_cache, metadata, dim**-0.5, kv_scales=scales, sinks=sinks
+            )
         )
     return outputs[0], outputs[1]
 

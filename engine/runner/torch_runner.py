@@ -83,6 +83,7 @@ class TorchModelRunner:
             spec.head_dim,
             config.cache.block_size,
             config.cache.kv_cache_dtype,
+            spec.attention_sinks or spec.window_layers is not None,
         )
         self.backend, self.backend_reason = get_attention_backend(config.attention_backend, shape)
         self.workers: RankWorkers | None = None

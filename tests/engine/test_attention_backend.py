@@ -20,14 +20,24 @@ from engine.cpu.attention_backend import CpuAttentionBackend
 from engine.cpu.attention_kernels import load_native_decode, load_native_prefill
 
 
-def dense_reference(q, k, v, scale, sliding_window=None):
+def dense_reference(q, k, v, scale, sliding_window=None, sinks=None):
     """q: [n, H, D] new queries at the end of a context of len(k) keys [L, Hkv, D]; with a
-    window, each query sees the keys of its last `sliding_window` positions."""
+    window, each query sees the keys of its last `sliding_window` positions; with `sinks`
+    [H], each head's softmax also holds its sink logit (as transformers' gpt-oss computes
+    it)."""
     n, L = q.shape[0], k.shape[0]
     q_pos = torch.arange(L - n, L)
     mask = torch.arange(L)[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         mask &= torch.arange(L)[None, :] > q_pos[:, None] - sliding_window
+    if sinks is not None:
+        group = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        logits = torch.einsum("nhd,lhd->hnl", q, keys) * scale
+        logits = logits.masked_fill(~mask, float("-inf"))
+        logits = torch.cat([logits, sinks[:, None, None].expand(-1, n, 1)], -1)
+        probs = torch.softmax(logits, -1)[..., :-1]
+        return torch.einsum("hnl,lhd->nhd", probs, values)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -97,6 +107,23 @@ def test_backend_matches_dense_attention_and_fills_the_cache(
     _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts)
 
 
+def sinks_and_windows_case(backend) -> None:
+    """gpt-oss's attention: sinks on every layer, and layers with and without the step's
+    window, one after the other in one step (the metadata serves both kinds)."""
+    shapes = [(3, 1), (40, 1), (0, 9), (0, 30), (11, 6), (25, 20)]
+    layout, q, k, v, k_cache, v_cache, contexts = make_case(
+        8, 8, 2, 32, 8, shapes, sliding_window=7
+    )
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2
+    for windowed in (True, False, True):
+        _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts, sinks, windowed)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_backend_with_sinks_on_windowed_and_full_layers(native):
+    sinks_and_windows_case(CpuAttentionBackend() if native else TorchAttentionBackend())
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("window", [1, 7, 16])
 def test_backend_with_a_sliding_window_sees_only_the_last_positions(native, window):
@@ -113,12 +140,18 @@ def test_backend_with_a_sliding_window_sees_only_the_last_positions(native, wind
     _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts)
 
 
-def _check_against_dense(backend, layout, q, k, v, k_cache, v_cache, contexts):
+def _check_against_dense(
+    backend, layout, q, k, v, k_cache, v_cache, contexts, sinks=None, windowed=True
+):
     scale = q.shape[-1] ** -0.5
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.prepare(layout), scale)
+    metadata = backend.prepare(layout)
+    out = backend.forward(
+        q, k, v, k_cache, v_cache, metadata, scale, sinks=sinks, windowed=windowed
+    )
+    window = layout.sliding_window if windowed else None
     for i, (ctx_k, ctx_v) in enumerate(contexts):
         start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-        want = dense_reference(q[start:end], ctx_k, ctx_v, scale, layout.sliding_window)
+        want = dense_reference(q[start:end], ctx_k, ctx_v, scale, window, sinks)
         torch.testing.assert_close(out[start:end], want, atol=2e-5, rtol=1e-4)
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     torch.testing.assert_close(flat_k[layout.slot_mapping], k)

@@ -30,8 +30,8 @@ from tests.engine.test_quantized_checkpoints import quant_model  # noqa: E402
 class WrongScaleAttention(TritonAttentionBackend):
     """The triton kernels with a wrong softmax scale: runs, and computes the wrong thing."""
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, kv_scales=None):
-        return super().forward(q, k, v, k_cache, v_cache, metadata, 2 * scale, kv_scales)
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, kv_scales=None, **layer):
+        return super().forward(q, k, v, k_cache, v_cache, metadata, 2 * scale, kv_scales, **layer)
 
 
 def _serves_like_the_oracle(engine, model: str, n: int = 6) -> None:

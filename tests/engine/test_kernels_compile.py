@@ -44,7 +44,7 @@ def test_every_gpu_kernel_compiles_for_sm90():
         timeout=600,
     )
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.split() == ["compiled"] * 22
+    assert child.stdout.split() == ["compiled"] * 26
 
 
 def compile_the_draw_kernel(logits: str) -> None:
@@ -57,11 +57,12 @@ def compile_the_draw_kernel(logits: str) -> None:
 
 
 def compile_the_attention_kernels(
-    dtype: str, head_dim: int, group: int, rows: int, fp8: bool = False
+    dtype: str, head_dim: int, group: int, rows: int, fp8: bool = False, sinks: bool = False
 ) -> None:
     cache = "u8" if fp8 else dtype
     signature = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}"}
-    signature |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "out_ptr": f"*{dtype}"}
+    signature |= {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "sinks_ptr": f"*{dtype}"}
+    signature |= {"out_ptr": f"*{dtype}"}
     signature |= {"block_table_ptr": "*i32", "query_start_ptr": "*i32", "seq_len_ptr": "*i32"}
     signature |= {"qk_scale": "fp32", "window": "i32"}
     strides = ("qt", "qh", "ot", "oh", "kb", "ks", "kh", "bt")
@@ -78,6 +79,7 @@ def compile_the_attention_kernels(
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         "DOT_FLOAT32": dtype == "fp32",
         "FP8": fp8,
+        "SINKS": sinks,
     }
     num_warps = 8 if rows * head_dim >= 64 * 128 else 4  # as paged_attention launches it
     _compile(triton_kernels._paged_attention, signature, constexprs, num_warps)
@@ -133,3 +135,5 @@ if __name__ == "__main__":
     compile_the_attention_kernels("fp32", 128, 8, 16)
     compile_the_attention_kernels("bf16", 128, 4, 16, fp8=True)
     compile_the_attention_kernels("bf16", 128, 4, 64, fp8=True)
+    compile_the_attention_kernels("bf16", 64, 8, 16, sinks=True)  # gpt-oss's heads
+    compile_the_attention_kernels("bf16", 64, 8, 64, sinks=True)

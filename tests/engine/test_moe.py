@@ -1,5 +1,6 @@
 """Mixtures of experts (Mixtral, Qwen3-MoE with a dense layer, Qwen2-MoE with a shared expert
-and every other layer sparse): greedy tokens equal transformers' generate on tiny random
+and every other layer sparse, gpt-oss with attention sinks, windowed and full layers, YaRN and
+biased clamped experts): greedy tokens equal transformers' generate on tiny random
 checkpoints written by each family's own transformers class, alone and in mixed batches,
 under chunked prefill, both preemption modes, the prefix cache and speculation; the expert
 path groups tokens by expert; tensor and expert parallelism (gloo) give one rank's tokens,
@@ -46,6 +47,7 @@ def _oracle(oracles: dict[str, HFOracle], family: str) -> tuple[str, HFOracle]:
         ("mixtral", "chunked+preemption"),
         ("qwen3-moe", "chunked+preemption"),
         ("qwen2-moe", "chunked+preemption"),
+        ("gpt-oss", "chunked+preemption"),
         ("mixtral", "alone"),  # one request at a time: decode steps of one row
         ("qwen3-moe", "swap"),
         ("qwen2-moe", "token-major"),
@@ -133,6 +135,10 @@ def test_what_moe_does_not_serve_yet_is_a_start_error_naming_the_field(tmp_path:
     odd = replace(spec, moe=replace(spec.moe, num_experts=7))
     with pytest.raises(InvalidParam, match=r"must divide the model's num_experts \(7\)"):
         shard_spec(odd, 2, expert_parallel=True)
+    gpt_oss = read_spec(tiny_model_dir("gpt-oss"))
+    with pytest.raises(InvalidParam) as err:
+        shard_spec(gpt_oss, 2, expert_parallel=False)
+    assert err.value.param == "expert_parallel"
     odd = tmp_path / "deepseek-like"
     shutil.copytree(model, odd)
     config = json.loads((odd / "config.json").read_text())
@@ -169,6 +175,7 @@ def _mix(model: str, world: int, expert_parallel: bool) -> dict[int, list[int]]:
     [
         ("mixtral", 2, False),  # every expert's columns split
         ("qwen2-moe", 2, True),  # experts whole, the shared expert's columns split
+        ("gpt-oss", 2, True),  # sinks split by heads, o_proj's bias counted once
         ("wide-qwen3-moe", 4, True),
     ],
 )

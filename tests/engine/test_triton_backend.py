@@ -55,6 +55,12 @@ def test_triton_backend_with_a_sliding_window(window):
     _check_against_dense(TritonAttentionBackend(), layout, q, k, v, k_cache, v_cache, contexts)
 
 
+def test_triton_backend_with_sinks_on_windowed_and_full_layers():
+    from tests.engine.test_attention_backend import sinks_and_windows_case
+
+    sinks_and_windows_case(TritonAttentionBackend())
+
+
 def test_triton_backend_reads_a_strided_query_view():
     """The decoder passes q as a view of a fused q/k/v tensor."""
     layout, q, k, v, k_cache, v_cache, contexts = make_case(
