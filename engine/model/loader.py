@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.core.errors import InvalidParam
 from engine.model.moe_config import MoESpec, read_moe
 from engine.quant.scheme import QuantScheme, parse_quantization_config
 
@@ -92,7 +93,17 @@ def read_spec(model: str) -> DecoderSpec:
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     quantization = cfg.get("quantization_config")
-    scheme = parse_quantization_config(quantization) if quantization else None
+    mxfp4 = isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+    scheme = parse_quantization_config(quantization) if quantization and not mxfp4 else None
+    moe = read_moe(cfg, family, cfg["num_hidden_layers"])
+    if mxfp4:
+        if moe is None or not moe.gpt_oss_experts:
+            raise InvalidParam(
+                "quantization_config.quant_method",
+                "model: quantization_config.quant_method 'mxfp4' is served for gpt-oss's "
+                f"experts only, not for {arch}",
+            )
+        moe = replace(moe, mxfp4=True)
     num_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -117,7 +128,7 @@ def read_spec(model: str) -> DecoderSpec:
         qk_norm=family in _QWEN3,
         sliding_window=window,
         quantization=scheme,
-        moe=read_moe(cfg, family, cfg["num_hidden_layers"]),
+        moe=moe,
         o_proj_bias=attention_bias and family in ("llama", "gpt_oss"),
         attention_sinks=family == "gpt_oss",
         window_layers=window_layers,

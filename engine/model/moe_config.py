@@ -37,6 +37,9 @@ class MoESpec:
     gpt_oss_experts: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # gpt-oss's released checkpoints: the experts' weights in MXFP4 blocks
+    # (engine/quant/mxfp4.py), dequantized into the serving dtype at load.
+    mxfp4: bool = False
 
     @property
     def held(self) -> int:

@@ -1,5 +1,6 @@
-"""Random-weight checkpoints of real models' shapes (Llama's, and Qwen3-MoE's), written
-offline for benchmarks and memory tests (weights only: no tokenizer; they are fed token ids).
+"""Random-weight checkpoints of real models' shapes (Llama's, Qwen3-MoE's and gpt-oss's),
+written offline for benchmarks and memory tests (weights only: no tokenizer; they are fed
+token ids). gpt-oss's experts are written in MXFP4, as its release has them.
 
     python -m engine.model.random_checkpoint --shape llama3-8b --out DIR [--device cuda]
         [--quant fp8|awq] [--tokenizer]
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -73,6 +75,45 @@ SHAPES = {
         "max_position_embeddings": 2048,
         "rope_theta": 1000000.0,
     },
+    # gpt-oss-20b's layer (32 experts of width 2880, 4 per token, MXFP4 experts, attention
+    # sinks, windowed layers of 128 alternating with full ones, YaRN) in 12 of its 24
+    # layers: 7 GB with bf16 attention, a GPU's gpt-oss decode per layer.
+    "gpt-oss-20b-12l": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "head_dim": 64,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 6,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },  # fmt: skip
+    },
     # About 500M parameters: the loader's peak-memory test.
     "500m": {
         "hidden_size": 1536,
@@ -85,6 +126,23 @@ SHAPES = {
         "rope_theta": 10000.0,
     },
 }
+# The same layer kinds at 2 layers, 8 experts and 64-column blocks: the CPU tests.
+SHAPES["gpt-oss-mini"] = SHAPES["gpt-oss-20b-12l"] | {
+    "hidden_size": 128,
+    "intermediate_size": 64,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+    "sliding_window": 12,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": SHAPES["gpt-oss-20b-12l"]["rope_parameters"]
+    | {"original_max_position_embeddings": 64},
+}
 SHARD_BYTES = 4 << 30
 
 
@@ -93,6 +151,7 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
     experts = cfg.get("num_experts", 0)
+    gpt_oss = cfg.get("model_type") == "gpt_oss"
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
@@ -107,6 +166,9 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         if cfg.get("model_type") == "qwen3_moe":
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,)}
             shapes |= {p + "self_attn.k_norm.weight": (head_dim,)}
+        if gpt_oss:
+            shapes |= _gpt_oss_layer_shapes(cfg, p, q, kv)
+            continue
         if not experts:
             shapes |= {
                 p + "mlp.gate_proj.weight": (inter, h),
@@ -124,6 +186,45 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             }
     shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     return shapes
+
+
+def _gpt_oss_layer_shapes(cfg: dict, p: str, q: int, kv: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's attention biases and sinks, biased router, and stacked MXFP4 experts
+    (blocks of 32 input columns: 16 bytes and a scale byte each)."""
+    h, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    shapes = {
+        p + "self_attn.q_proj.bias": (q,),
+        p + "self_attn.k_proj.bias": (kv,),
+        p + "self_attn.v_proj.bias": (kv,),
+        p + "self_attn.o_proj.bias": (h,),
+        p + "self_attn.sinks": (cfg["num_attention_heads"],),
+        p + "mlp.router.weight": (experts, h),
+        p + "mlp.router.bias": (experts,),
+        p + "mlp.experts.gate_up_proj_bias": (experts, 2 * inter),
+        p + "mlp.experts.down_proj_bias": (experts, h),
+    }
+    for name, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+        shapes[f"{p}mlp.experts.{name}_blocks"] = (experts, rows, cols // 32, 16)
+        shapes[f"{p}mlp.experts.{name}_scales"] = (experts, rows, cols // 32)
+    return shapes
+
+
+def _random_tensor(
+    name: str, dims: tuple[int, ...], gen: torch.Generator, device: str
+) -> torch.Tensor:
+    """Float weights of about 1/sqrt(fan_in), so activations keep their scale through the
+    layers; norm gains near 1, biases and sinks near 0; MXFP4 blocks random codes (FP4 values
+    average about 2.5 in magnitude) and scales 2^e with 2.5 * 2^e about 1/sqrt(fan_in)."""
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, dims, generator=gen, device=device, dtype=torch.uint8)
+    if name.endswith("_scales"):
+        exponent = round(math.log2((dims[-1] * 32) ** -0.5 / 2.5))
+        return torch.full(dims, 127 + exponent, device=device, dtype=torch.uint8)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.02 * torch.randn(dims, generator=gen, device=device)
+    if len(dims) == 1 or name.endswith("bias"):
+        return 0.02 * torch.randn(dims, generator=gen, device=device)
+    return torch.randn(dims, generator=gen, device=device) * dims[1] ** -0.5
 
 
 def make_random_checkpoint(
@@ -165,7 +266,7 @@ def make_random_checkpoint(
 
     if quant is not None:
         cfg["quantization_config"] = QUANT_CONFIGS[quant]
-    if quant is not None and cfg.get("num_experts"):
+    if quant is not None and (cfg.get("num_experts") or cfg.get("num_local_experts")):
         raise ValueError(f"--quant: {shape} is a mixture of experts (served in float only)")
     for name, dims in weight_shapes(cfg).items():
         if quant is not None and ".layers." in name and len(dims) == 2:
@@ -173,11 +274,8 @@ def make_random_checkpoint(
                 shard[name.removesuffix("weight") + part] = tensor.cpu()
                 size += tensor.nbytes
             continue
-        if len(dims) == 1:  # norm gains near 1
-            value = 1.0 + 0.02 * torch.randn(dims, generator=gen, device=generate_on)
-        else:  # about 1/sqrt(fan_in), so activations keep their scale through the layers
-            value = torch.randn(dims, generator=gen, device=generate_on) * dims[1] ** -0.5
-        shard[name] = value.to(dtype).cpu()
+        value = _random_tensor(name, dims, gen, generate_on)
+        shard[name] = (value if value.dtype == torch.uint8 else value.to(dtype)).cpu()
         size += shard[name].nbytes
         if size >= shard_bytes:
             flush()

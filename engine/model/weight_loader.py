@@ -27,6 +27,7 @@ from engine.model.sparse_moe import SparseMoE
 from engine.quant.kv_scales import set_kv_scales
 from engine.quant.linear import QuantizedLinear
 from engine.quant.loading import load_quantized, quantize_modules
+from engine.quant.mxfp4 import dequantize_mxfp4
 from engine.quant.scheme import QuantScheme, online_fp8
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ def load_decoder(
         with torch.no_grad():
             for name, dest in targets.items():
                 reader.copy_into(name, dest, slices.get(name))
+            if spec.moe is not None and spec.moe.mxfp4:
+                _read_mxfp4_experts(reader, decoder)
             if scheme is not None:
                 load_quantized(reader, quantized, scheme, _max_over_ranks(tp))
             if kv_cache_dtype == "fp8_e4m3":
@@ -104,7 +107,7 @@ def load_decoder(
 
 
 def _scheme(spec: DecoderSpec, quantization: str | None) -> QuantScheme | None:
-    if spec.moe is not None and (quantization or spec.quantization):
+    if spec.moe is not None and (quantization or spec.quantization):  # (MXFP4: spec.moe)
         raise InvalidParam(
             "quantization",
             "quantization: quantized mixture-of-experts models are not served yet (a float "
@@ -195,14 +198,43 @@ def _stacked_expert_targets(moe: SparseMoE, layer: int) -> dict[str, torch.Tenso
     this rank's experts.)"""
     assert moe.b13 is not None and moe.b2 is not None and moe.gate.bias is not None
     prefix = f"model.layers.{layer}.mlp."
-    return {
+    targets = {
         f"{prefix}router.weight": moe.gate.weight.data,
         f"{prefix}router.bias": moe.gate.bias.data,
-        f"{prefix}experts.gate_up_proj": moe.w13.data.transpose(1, 2),
         f"{prefix}experts.gate_up_proj_bias": moe.b13.data,
-        f"{prefix}experts.down_proj": moe.w2.data.transpose(1, 2),
         f"{prefix}experts.down_proj_bias": moe.b2.data,
     }
+    if not moe.moe.mxfp4:  # (MXFP4 weights: `_read_mxfp4_experts`)
+        targets[f"{prefix}experts.gate_up_proj"] = moe.w13.data.transpose(1, 2)
+        targets[f"{prefix}experts.down_proj"] = moe.w2.data.transpose(1, 2)
+    return targets
+
+
+def _read_mxfp4_experts(reader: CheckpointReader, decoder: Decoder) -> None:
+    """gpt-oss's MXFP4 experts, dequantized expert by expert (host memory: one expert's
+    weights): `<name>_blocks` and `<name>_scales` of gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I], in our layout as they are (the checkpoint's MXFP4 tensors are not
+    transposed)."""
+    for i, layer in enumerate(decoder.layers):
+        moe = layer.mlp
+        if not (isinstance(moe, SparseMoE) and moe.moe.mxfp4):
+            continue
+        for name, stacked in (("gate_up_proj", moe.w13), ("down_proj", moe.w2)):
+            src = f"model.layers.{i}.mlp.experts.{name}"
+            for part in ("_blocks", "_scales"):
+                if src + part not in reader.entries:
+                    raise ValueError(f"model: checkpoint has no weight {src + part!r}")
+            for held in range(moe.moe.held):
+                expert = SliceOf(0, moe.first_expert + held, 1, moe.moe.num_experts)
+                blocks = reader.read(src + "_blocks", expert)
+                scales = reader.read(src + "_scales", expert)
+                weights = dequantize_mxfp4(blocks, scales)[0]
+                if weights.shape != stacked.shape[1:]:
+                    raise ValueError(
+                        f"model: weight {src} holds {tuple(weights.shape)} per expert, "
+                        f"expected {tuple(stacked.shape[1:])}"
+                    )
+                stacked.data[held].copy_(weights)
 
 
 def _row_slices(*sizes: int) -> list[slice]:

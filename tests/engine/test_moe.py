@@ -139,6 +139,14 @@ def test_what_moe_does_not_serve_yet_is_a_start_error_naming_the_field(tmp_path:
     with pytest.raises(InvalidParam) as err:
         shard_spec(gpt_oss, 2, expert_parallel=False)
     assert err.value.param == "expert_parallel"
+    mxfp4 = tmp_path / "mxfp4-mixtral"
+    shutil.copytree(model, mxfp4)
+    config = json.loads((mxfp4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidParam, match="gpt-oss's experts only") as err:
+        read_spec(str(mxfp4))
+    assert err.value.param == "quantization_config.quant_method"
     odd = tmp_path / "deepseek-like"
     shutil.copytree(model, odd)
     config = json.loads((odd / "config.json").read_text())
@@ -211,12 +219,17 @@ class _Sharded:
         self.shard = shard
 
 
-def test_a_random_checkpoint_of_a_moe_shape_serves_as_transformers_reads_it(tmp_path):
+@pytest.mark.parametrize("shape", ["qwen3-moe-mini", "gpt-oss-mini"])
+def test_a_random_checkpoint_of_a_moe_shape_serves_as_transformers_reads_it(tmp_path, shape):
     """engine/model/random_checkpoint.py's MoE shapes (the GPU stage's 12-layer Qwen3-30B-A3B
-    is one): per-expert weights under the real names, which transformers loads too."""
+    and gpt-oss-20b are such): per-expert weights under the real names, or gpt-oss's stacked
+    MXFP4 experts (dequantized at load, as transformers dequantizes them), which transformers
+    loads too."""
     from engine.model.random_checkpoint import make_random_checkpoint
 
-    model = str(make_random_checkpoint(tmp_path / "moe", "qwen3-moe-mini", torch.float32))
+    gpt_oss = shape.startswith("gpt-oss")  # (AutoTokenizer needs its files for gpt-oss)
+    checkpoint = make_random_checkpoint(tmp_path / "moe", shape, torch.float32, tokenizer=gpt_oss)
+    model = str(checkpoint)
     prompts = random_prompts(9, 4, max_len=20)
     engine = build_engine(model, 4, 60, max_num_seqs=4, max_num_batched_tokens=32)
     tokens = run_mix(engine, prompts, [6] * 4, [0, 0, 1, 1])

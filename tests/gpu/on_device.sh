@@ -14,6 +14,8 @@
 #                                       # adapters against the base, small model
 #   bash tests/gpu/on_device.sh moe     # mixtures of experts: fused kernels at Qwen3-30B-A3B's
 #                                       # layer shape, decode at batch 1/32/128, prefill
+#   bash tests/gpu/on_device.sh gpt-oss # gpt-oss-20b's layers (MXFP4 experts dequantized at
+#                                       # load): decode at batch 1/32/128, prefill
 #   bash tests/gpu/on_device.sh serving # the serving path over the 8B-shaped engine against
 #                                       # the same engine in process: one chat user stage by
 #                                       # stage, 64 streams, and the emulated replica beside it
@@ -151,5 +153,21 @@ case ${1:-} in
         step moe-engine 300 "$PY" -m loadtests.bench_engine --model "$checkpoint" \
             --device "$DEVICE" --dtype "$DTYPE" --repeat 1 --skip-hf --json
         ;;
-    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving|moe" >&2 && exit 2 ;;
+    gpt-oss)
+        # gpt-oss-20b's layer shape in 12 layers (its CUDA tests are in `moe`): decode at
+        # batch 1, 32 and 128 and the whole workload, on triton's sinks and windows.
+        checkpoint=/tmp/gpt-oss-20b-12l
+        [ -f "$checkpoint/config.json" ] || step checkpoint-gpt-oss 240 "$PY" -m \
+            engine.model.random_checkpoint --shape gpt-oss-20b-12l --out "$checkpoint" --tokenizer \
+            --dtype "$DTYPE" --device "$DEVICE"
+        for batch in 1 32 128; do
+            step "gpt-oss-decode$batch" 100 "$PY" -m loadtests.bench_decode \
+                --model "$checkpoint" --device "$DEVICE" --dtype "$DTYPE" --batch "$batch" \
+                --kv-cache-gb 8 --json
+        done
+        step gpt-oss-engine 200 "$PY" -m loadtests.bench_engine --model "$checkpoint" \
+            --device "$DEVICE" --dtype "$DTYPE" --repeat 1 --skip-hf --json
+        ;;
+    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving|moe|gpt-oss" >&2
+       exit 2 ;;
 esac
