@@ -235,8 +235,8 @@ class AppArgs(_Strict):
 
     model: str | None = Field(
         None,
-        description="The checkpoint (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE: "
-        "docs/models.md#architectures): a local HF checkpoint directory "
+        description="The checkpoint (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, "
+        "gpt-oss: docs/models.md#architectures): a local HF checkpoint directory "
         "(the same path on every node), a Hugging Face Hub id (org/name; engine.revision picks "
         "the revision), or an object-store URI (s3://bucket/prefix/, gs://...). Each node "
         "fetches it once into its cache: docs/models.md. Required unless `models` is set.",

@@ -248,8 +248,9 @@ class EngineConfig:
     model: str = field(
         metadata={
             "doc": "The checkpoint (Llama, Mistral, Qwen2, Qwen3 and the mixtures of experts "
-            "Mixtral, Qwen2-MoE, Qwen3-MoE: docs/models.md#architectures): a local HF checkpoint "
-            "directory, a Hugging Face Hub id (org/name, fetched into the node's HF cache), or "
+            "Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: docs/models.md#architectures): a local HF "
+            "checkpoint directory, a Hugging Face Hub id (org/name, fetched into the node's HF "
+            "cache), or "
             "an object-store URI (s3://bucket/prefix/, gs://...; copied into a local cache). "
             "docs/models.md."
         }

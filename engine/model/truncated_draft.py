@@ -39,6 +39,8 @@ def make_truncated_draft(model: str | Path, num_layers: int, out: str | Path) ->
                     tensors[name] = f.get_tensor(name)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config["num_hidden_layers"] = num_layers
+    if config.get("layer_types"):  # gpt-oss's windowed and full layers, one kind each
+        config["layer_types"] = config["layer_types"][:num_layers]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weights = (".safetensors", ".index.json")
     for extra in model.iterdir():  # the tokenizer, generation config, chat template

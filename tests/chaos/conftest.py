@@ -30,10 +30,10 @@ def chaos_args(model: str, **overrides: Any) -> dict[str, Any]:
     return app_args(model, request_timeout_s=60, health=health, api=api, **overrides)
 
 
-# The chaos app's second model: a mixture of experts (Qwen3-MoE: other weights, other tokens,
-# the expert path over HTTP), one engine replica of its own beside `tiny`'s two; its streams
-# must not notice a fault of `tiny`'s replicas.
-OTHER_ARCH = "qwen3-moe"
+# The chaos app's second model: a mixture of experts (gpt-oss: other weights, other tokens,
+# the expert path, attention sinks and windowed layers over HTTP), one engine replica of its
+# own beside `tiny`'s two; its streams must not notice a fault of `tiny`'s replicas.
+OTHER_ARCH = "gpt-oss"
 OTHER = f"tiny-{OTHER_ARCH}"
 
 

@@ -1,5 +1,5 @@
 """One app, two models (the `chaos` app, tests/chaos/conftest.py: `tiny` on two engine
-replicas with its LoRA adapters, OTHER, a Qwen3-MoE mixture of experts, on one): a request's
+replicas with its LoRA adapters, OTHER, a gpt-oss mixture of experts, on one): a request's
 `model` picks the model, and each answers token for token as transformers' generate on its own
 checkpoint; /v1/models lists both; an unknown model is OpenAI's 404 naming it; adapters go
 to their base; /metrics, /v1/cluster and /health tell the models apart. (The fault of one
