@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -88,8 +89,8 @@ def measure(shape: LayerShape, tokens: list[int], device: str, dtype: str, repea
         row: dict[str, float] = {"tokens": n}
         for path in paths:
             moe.kernel = path == "fused"
-            row[f"moe_{path}_ms"] = _median_ms(lambda: moe(x, ops), device, repeat)
-        row["dense_ms"] = _median_ms(lambda: dense(x, ops), device, repeat)
+            row[f"moe_{path}_ms"] = _median_ms(partial(moe, x, ops), device, repeat)
+        row["dense_ms"] = _median_ms(partial(dense, x, ops), device, repeat)
         _, experts = moe.route(x)
         row["experts_touched"] = int(experts.unique().numel())
         best = min(row[f"moe_{path}_ms"] for path in paths)
