@@ -26,8 +26,8 @@ from functools import partial
 
 import torch
 
-from engine.cpu.decoder_ops import DecoderOps
-from engine.model.decoder import MLP
+from engine.model.decoder import MLP, Decoder
+from engine.model.loader import DecoderSpec
 from engine.model.moe_config import MoESpec
 from engine.model.sparse_moe import SparseMoE
 
@@ -49,17 +49,46 @@ SHAPES = {
 }
 
 
-def _layers(shape: LayerShape, device: str, dtype: torch.dtype) -> tuple[SparseMoE, MLP]:
+def _decoder(shape: LayerShape, moe: MoESpec | None, native_ops: bool) -> Decoder:
+    """A one-layer decoder of the shape's MLP (its attention and vocabulary minimal): the
+    layer as the engine builds and runs it."""
+    spec = DecoderSpec(
+        architecture="GptOssForCausalLM" if shape.gpt_oss else "Qwen3MoeForCausalLM",
+        vocab_size=16,
+        hidden_size=shape.hidden,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=shape.top_k * shape.width,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        sliding_window=None,
+        moe=moe,
+    )
+    return Decoder(spec, 16, native_ops)
+
+
+def _layers(shape: LayerShape, device: str, dtype: torch.dtype) -> tuple[SparseMoE, MLP, Decoder]:
+    """The MoE layer, the dense MLP of the same active parameters, and the decoder whose ops
+    they run with."""
     spec = MoESpec(
         shape.experts, shape.top_k, shape.width, True, False, (True,), gpt_oss_experts=shape.gpt_oss
     )
-    moe = SparseMoE(shape.hidden, spec, None)
-    dense = MLP(shape.hidden, shape.top_k * shape.width)
+    native = device == "cpu" and dtype == torch.float32
+    sparse, dense = _decoder(shape, spec, native), _decoder(shape, None, native)
+    moe, mlp = sparse.layers[0].mlp, dense.layers[0].mlp
+    assert isinstance(moe, SparseMoE) and isinstance(mlp, MLP)
     gen = torch.Generator().manual_seed(0)
-    for layer in (moe, dense):
+    for layer in (moe, mlp):
         for param in layer.parameters():
             param.data.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
-    return moe.to(device, dtype).eval(), dense.to(device, dtype).eval()
+    return moe.to(device, dtype).eval(), mlp.to(device, dtype).eval(), dense
 
 
 def _median_ms(run, device: str, repeat: int) -> float:
@@ -79,8 +108,8 @@ def _median_ms(run, device: str, repeat: int) -> float:
 @torch.no_grad()
 def measure(shape: LayerShape, tokens: list[int], device: str, dtype: str, repeat: int) -> dict:
     torch_dtype = getattr(torch, dtype)
-    moe, dense = _layers(shape, device, torch_dtype)
-    ops = DecoderOps(device == "cpu" and torch_dtype == torch.float32)
+    moe, dense, decoder = _layers(shape, device, torch_dtype)
+    ops = decoder.ops
     paths = ["grouped"] + (["fused"] if device == "cuda" and not shape.gpt_oss else [])
     rows = []
     for n in tokens:

@@ -42,7 +42,7 @@ def _adapted(
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
+    def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads,
