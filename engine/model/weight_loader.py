@@ -5,7 +5,8 @@ target device in the target dtype, then filled tensor by tensor from the safeten
 q/k/v into row slices of the fused qkv weight, gate/up into the fused gate_up weight. Host
 memory while loading is the weights themselves on a CPU target (read into place), and one
 staging buffer of the largest tensor otherwise. A mixture of experts' per-expert weights go
-into their rows of the stacked expert tensors.
+into their rows of the stacked expert tensors; gpt-oss's stacked ones are read transposed,
+or, in MXFP4, dequantized expert by expert.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def load_decoder(
 
 
 def _scheme(spec: DecoderSpec, quantization: str | None) -> QuantScheme | None:
-    if spec.moe is not None and (quantization or spec.quantization):  # (MXFP4: spec.moe)
+    if spec.moe is not None and (quantization or spec.quantization):
         raise InvalidParam(
             "quantization",
             "quantization: quantized mixture-of-experts models are not served yet (a float "
