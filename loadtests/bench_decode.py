@@ -140,7 +140,7 @@ def same_tokens(runs: list[dict[str, list[int]]]) -> bool:
     return True
 
 
-def _median_ms(fn, device: str, repeats: int) -> float:
+def median_ms(fn, device: str, repeats: int) -> float:
     """Median ms of `fn()` over `repeats` calls after 3 warm-up calls, waiting for the device."""
     times = []
     for i in range(repeats + 3):
@@ -170,17 +170,17 @@ def time_sampler(args, vocab_size: int) -> dict:
     logits = torch.randn(args.batch, vocab_size, generator=generator, device=device, dtype=dtype)
     repeats = args.sampler_repeats
     figures = {
-        "sampler_ms_t1_top_p0.9": _median_ms(
+        "sampler_ms_t1_top_p0.9": median_ms(
             lambda: sampler.draw(logits, rows)[0].tolist(), args.device, repeats
         )
     }
     u = torch.rand(args.batch, generator=generator, device=device)
     params_list = [params] * args.batch
-    figures["draw_sort_ms"] = _median_ms(
+    figures["draw_sort_ms"] = median_ms(
         lambda: draw_by_sort(logits, params_list, u), args.device, repeats
     )
     if args.device == "cuda":
-        figures["draw_search_ms"] = _median_ms(
+        figures["draw_search_ms"] = median_ms(
             lambda: draw_by_search(logits, params_list, u), args.device, repeats
         )
         figures["draw_search_vs_sort"] = figures["draw_sort_ms"] / figures["draw_search_ms"]

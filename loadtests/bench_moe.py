@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,6 +28,7 @@ from engine.model.decoder import MLP, Decoder
 from engine.model.loader import DecoderSpec
 from engine.model.moe_config import MoESpec
 from engine.model.sparse_moe import SparseMoE
+from loadtests.bench_decode import median_ms
 
 
 @dataclass(frozen=True)
@@ -91,20 +90,6 @@ def _layers(shape: LayerShape, device: str, dtype: torch.dtype) -> tuple[SparseM
     return moe.to(device, dtype).eval(), mlp.to(device, dtype).eval(), dense
 
 
-def _median_ms(run, device: str, repeat: int) -> float:
-    run()  # warm-up (kernel compiles, allocator)
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 @torch.no_grad()
 def measure(shape: LayerShape, tokens: list[int], device: str, dtype: str, repeat: int) -> dict:
     torch_dtype = getattr(torch, dtype)
@@ -118,8 +103,8 @@ def measure(shape: LayerShape, tokens: list[int], device: str, dtype: str, repea
         row: dict[str, float] = {"tokens": n}
         for path in paths:
             moe.kernel = path == "fused"
-            row[f"moe_{path}_ms"] = _median_ms(partial(moe, x, ops), device, repeat)
-        row["dense_ms"] = _median_ms(partial(dense, x, ops), device, repeat)
+            row[f"moe_{path}_ms"] = median_ms(partial(moe, x, ops), device, repeat)
+        row["dense_ms"] = median_ms(partial(dense, x, ops), device, repeat)
         _, experts = moe.route(x)
         row["experts_touched"] = int(experts.unique().numel())
         best = min(row[f"moe_{path}_ms"] for path in paths)

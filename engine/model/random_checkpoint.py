@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.model.tiny_model import GPT_OSS_ROPE
+
 # name: config.json fields of the architecture's shape.
 SHAPES = {
     "llama3-8b": {
@@ -95,15 +97,7 @@ SHAPES = {
         "layer_types": ["sliding_attention", "full_attention"] * 6,
         "attention_bias": True,
         "swiglu_limit": 7.0,
-        "rope_parameters": {
-            "rope_type": "yarn",
-            "rope_theta": 150000.0,
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 4096,
-        },
+        "rope_parameters": GPT_OSS_ROPE,
         "quantization_config": {
             "quant_method": "mxfp4",
             "modules_to_not_convert": [
@@ -140,8 +134,7 @@ SHAPES["gpt-oss-mini"] = SHAPES["gpt-oss-20b-12l"] | {
     "max_position_embeddings": 2048,
     "sliding_window": 12,
     "layer_types": ["sliding_attention", "full_attention"],
-    "rope_parameters": SHAPES["gpt-oss-20b-12l"]["rope_parameters"]
-    | {"original_max_position_embeddings": 64},
+    "rope_parameters": GPT_OSS_ROPE | {"original_max_position_embeddings": 64},
 }
 SHARD_BYTES = 4 << 30
 

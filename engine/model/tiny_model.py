@@ -89,6 +89,17 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# gpt-oss's released RoPE: YaRN over an original context of 4096.
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
 # name: (config class, model class, config overrides)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -147,15 +158,7 @@ ARCHS = {
             "num_local_experts": 8,
             "num_experts_per_tok": 2,
             "sliding_window": 12,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 32.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 64,
-            },
+            "rope_parameters": GPT_OSS_ROPE | {"original_max_position_embeddings": 64},
         },
     ),
 }
