@@ -33,6 +33,7 @@ _DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
     "BOOL": torch.bool,
 }
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,12 @@ class CheckpointReader:
         if entry.shape != tuple(expected):
             raise ValueError(
                 f"model: weight {name} has shape {entry.shape}, expected {tuple(expected)}"
+            )
+        if entry.dtype in _FP8 and dest.dtype not in _FP8:
+            # An FP8 tensor is read where a float one belongs: without its scale it is wrong.
+            raise ValueError(
+                f"model: weight {name} is {entry.dtype}, but the engine holds it unquantized "
+                "(is it missing from quantization_config's list of modules not converted?)"
             )
         ranges, part = self._plan(entry, dest, piece)
         total = sum(n for _, n in ranges)

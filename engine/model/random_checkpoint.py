@@ -3,11 +3,13 @@ written offline for benchmarks and memory tests (weights only: no tokenizer; the
 token ids). gpt-oss's experts are written in MXFP4, as its release has them.
 
     python -m engine.model.random_checkpoint --shape llama3-8b --out DIR [--device cuda]
-        [--quant fp8|awq] [--tokenizer]
+        [--quant fp8|fp8-block|awq] [--tokenizer]
 
 With --quant, the decoder layers' linear weights are written quantized, as random codes and
-scales in the format's layout and config (compressed-tensors FP8 per channel, or AWQ INT4
-with groups of 128): the quantized benchmarks' checkpoints, without quantizing a float one.
+scales in the format's layout and config (compressed-tensors FP8 per channel, FP8 in 128x128
+blocks as Qwen3-30B-A3B-FP8 has its experts, or AWQ INT4 with groups of 128): the quantized
+benchmarks' checkpoints, without quantizing a float one. A mixture of experts' routers stay
+float, as its quantized releases keep them.
 
 With --tokenizer the directory also gets a tokenizer and chat template (the tiny models',
 grown to the shape's vocabulary), so it serves over HTTP like any checkpoint.
@@ -59,13 +61,14 @@ SHAPES = {
         "max_position_embeddings": 8192,
         "rope_theta": 1000000.0,
     },
-    # The same layer shape at 2 layers and 16 experts: the CPU tests of the MoE shape path.
+    # The same layer shape at 2 layers and 16 experts 128 wide (128x128 FP8 blocks tile
+    # them): the CPU tests of the MoE shape path.
     "qwen3-moe-mini": {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "hidden_size": 256,
         "intermediate_size": 512,
-        "moe_intermediate_size": 96,
+        "moe_intermediate_size": 128,
         "num_experts": 16,
         "num_experts_per_tok": 4,
         "norm_topk_prob": True,
@@ -258,11 +261,12 @@ def make_random_checkpoint(
         shard, size = {}, 0
 
     if quant is not None:
-        cfg["quantization_config"] = QUANT_CONFIGS[quant]
-    if quant is not None and (cfg.get("num_experts") or cfg.get("num_local_experts")):
-        raise ValueError(f"--quant: {shape} is a mixture of experts (served in float only)")
+        cfg["quantization_config"] = _quant_config(quant, cfg)
+    if quant is not None and cfg.get("model_type") == "gpt_oss":
+        raise ValueError(f"--quant: {shape} is written in MXFP4, as gpt-oss is released")
     for name, dims in weight_shapes(cfg).items():
-        if quant is not None and ".layers." in name and len(dims) == 2:
+        router = name.endswith(".mlp.gate.weight")
+        if quant is not None and ".layers." in name and len(dims) == 2 and not router:
             for part, tensor in _random_quantized(quant, dims, gen, generate_on).items():
                 shard[name.removesuffix("weight") + part] = tensor.cpu()
                 size += tensor.nbytes
@@ -295,8 +299,26 @@ QUANT_CONFIGS = {
         },
         "ignore": ["lm_head"],
     },
+    "fp8-block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"],
+    },
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
 }
+
+
+def _quant_config(quant: str, cfg: dict) -> dict:
+    """QUANT_CONFIGS[quant], with a mixture of experts' routers among the modules left
+    float."""
+    config = json.loads(json.dumps(QUANT_CONFIGS[quant]))
+    if cfg.get("num_experts"):
+        key = "ignore" if "ignore" in config else "modules_to_not_convert"
+        routers = [f"model.layers.{n}.mlp.gate" for n in range(cfg["num_hidden_layers"])]
+        config[key] = config.get(key, []) + routers
+    return config
 
 
 def _random_quantized(
@@ -305,10 +327,14 @@ def _random_quantized(
     """One [out, in] linear weight's tensors in `quant`'s layout, with random codes whose
     dequantized values are about 1/sqrt(fan_in), as the float checkpoint's."""
     n, k = dims
-    if quant == "fp8":
+    if quant.startswith("fp8"):
         codes = torch.randn(dims, generator=gen, device=device) * 64
+        weight = codes.to(torch.float8_e4m3fn)
+        if quant == "fp8-block":
+            scale = torch.full((-(-n // 128), -(-k // 128)), k**-0.5 / 64, device=device)
+            return {"weight": weight, "weight_scale_inv": scale}
         scale = torch.full((n, 1), k**-0.5 / 64, device=device)
-        return {"weight": codes.to(torch.float8_e4m3fn), "weight_scale": scale.bfloat16()}
+        return {"weight": weight, "weight_scale": scale.bfloat16()}
     groups = k // 128
 
     def words(rows: int, cols: int) -> torch.Tensor:

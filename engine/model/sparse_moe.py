@@ -6,7 +6,8 @@ gate.
 
 The experts' weights are stacked: `w13` [E, 2I, H] (gate rows, then up rows; gpt-oss's
 interleaved, as its checkpoint has them) and `w2` [E, H, I]; gpt-oss's biases `b13` [E, 2I]
-and `b2` [E, H].
+and `b2` [E, H]. Quantized experts are one module each instead (`hold_experts`), whose
+quantized linear layers hold the checkpoint's layouts.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ class SparseMoE(nn.Module):
         inter = moe.expert_intermediate_size
         biased = moe.gpt_oss_experts
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=biased)
-        self.w13 = nn.Parameter(torch.empty(moe.held, 2 * inter, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(moe.held, hidden_size, inter))
+        self.w13: nn.Parameter | None = nn.Parameter(torch.empty(moe.held, 2 * inter, hidden_size))
+        self.w2: nn.Parameter | None = nn.Parameter(torch.empty(moe.held, hidden_size, inter))
         self.b13 = nn.Parameter(torch.empty(moe.held, 2 * inter)) if biased else None
         self.b2 = nn.Parameter(torch.empty(moe.held, hidden_size)) if biased else None
         self.shared_expert = shared
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+        self.expert_mlps: nn.ModuleList | None = None  # see `hold_experts`
         # The fused Triton kernels (engine/model/moe_kernel.py) on CUDA, once the GPU
         # self-check passed them; else the grouped torch path below.
         self.kernel = False
@@ -53,6 +55,15 @@ class SparseMoE(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert(x, ops)
         return out
+
+    def hold_experts(self, mlps: nn.ModuleList) -> None:
+        """Hold the experts as one module each (`mlps[h](x, ops)` the h-th held expert's
+        gate/up, SiLU and down) instead of the stacked weights: quantized experts
+        (engine/quant/loading.py), whose layouts neither the stacked tensors nor the fused
+        kernels take. Called on the meta device, before the weights are materialised."""
+        assert len(mlps) == self.moe.held and self.b13 is None
+        self.w13 = self.w2 = None
+        self.expert_mlps = mlps
 
     def forward_fm(self, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
         """`forward` on feature-major activations ([hidden, T] in and out): the experts work on
@@ -98,6 +109,8 @@ class SparseMoE(nn.Module):
 
     def _expert(self, held: int, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
         """The `held`-th expert of this rank on rows `x`."""
+        if self.expert_mlps is not None:
+            return self.expert_mlps[held](x, ops)
         if self.b13 is None:
             gate_up = torch.nn.functional.linear(x, self.w13[held])
             return torch.nn.functional.linear(ops.silu_mul(gate_up), self.w2[held])
@@ -121,6 +134,7 @@ def moe_layers(model: nn.Module) -> list[SparseMoE]:
 
 def use_moe_kernels(model: nn.Module, device: torch.device) -> None:
     """The fused kernels for every mixture-of-experts layer on CUDA (the self-check may take
-    them back); gpt-oss's biased, clamped experts run the grouped torch path."""
+    them back); gpt-oss's biased, clamped experts and quantized ones run the grouped torch
+    path."""
     for layer in moe_layers(model):
-        layer.kernel = device.type == "cuda" and layer.b13 is None
+        layer.kernel = device.type == "cuda" and layer.b13 is None and layer.w13 is not None

@@ -286,13 +286,20 @@ def _wrapped(tok):
     return hf
 
 
-def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id: int):
+def build_model(
+    size: str,
+    arch: str,
+    seed: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    overrides: dict | None = None,
+):
     import torch
     import transformers
 
     spec = SIZES[size]
     config_cls_name, model_cls_name, extra = ARCHS[arch]
-    extra = {"tie_word_embeddings": False, **extra}
+    extra = {"tie_word_embeddings": False, **extra, **(overrides or {})}
     if arch.startswith(("qwen3", "gpt-oss")):
         extra["head_dim"] = spec.hidden_size // spec.num_attention_heads
     config = getattr(transformers, config_cls_name)(
@@ -333,8 +340,15 @@ def build_model(size: str, arch: str, seed: int, eos_token_id: int, pad_token_id
     return model
 
 
-def make_model(out: str | Path, size: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
-    """Write the checkpoint directory (skipped if it already holds one) and return its path."""
+def make_model(
+    out: str | Path,
+    size: str = "tiny",
+    arch: str = "llama",
+    seed: int = 0,
+    overrides: dict | None = None,
+) -> Path:
+    """Write the checkpoint directory (skipped if it already holds one) and return its path;
+    `overrides`: config fields set beyond the size's and the architecture's."""
     out = Path(out)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
@@ -342,7 +356,7 @@ def make_model(out: str | Path, size: str = "tiny", arch: str = "llama", seed: i
     tokenizer = build_tokenizer(SIZES[size].vocab_size, seed)
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model = build_model(size, arch, seed, eos, pad)
+    model = build_model(size, arch, seed, eos, pad, overrides)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
     return out

@@ -108,11 +108,12 @@ def load_decoder(
 
 
 def _scheme(spec: DecoderSpec, quantization: str | None) -> QuantScheme | None:
-    if spec.moe is not None and (quantization or spec.quantization):
+    gpt_oss = spec.moe is not None and spec.moe.gpt_oss_experts
+    if gpt_oss and (quantization or spec.quantization):
         raise InvalidParam(
             "quantization",
-            "quantization: quantized mixture-of-experts models are not served yet (a float "
-            "checkpoint, and quantization null)",
+            "quantization: gpt-oss is served from its float or MXFP4 checkpoints, dequantized "
+            "(quantization null)",
         )
     if quantization is None:
         return spec.quantization
@@ -170,25 +171,30 @@ def checkpoint_targets(decoder: Decoder, spec: DecoderSpec) -> dict[str, torch.T
 def _expert_targets(moe: SparseMoE, layer: int, architecture: str) -> dict[str, torch.Tensor]:
     """A mixture-of-experts layer's checkpoint weights: the router, each expert's gate, up and
     down projections (into its rows of the stacked w13 and w2; under expert parallelism only
-    the experts this rank holds), Qwen2-MoE's shared expert and its gate."""
+    the experts this rank holds), Qwen2-MoE's shared expert and its gate. Quantized experts
+    (and a quantized shared expert) are read by engine/quant/loading.py."""
     if moe.b13 is not None:
         return _stacked_expert_targets(moe, layer)
     prefix, (gate, up, down) = expert_weight_names(architecture, layer)
     inter = moe.moe.expert_intermediate_size
     targets = {f"{prefix}gate.weight": moe.gate.weight.data}
-    for held in range(moe.moe.held):
-        expert = f"{prefix}experts.{moe.first_expert + held}."
-        targets[f"{expert}{gate}.weight"] = moe.w13.data[held, :inter]
-        targets[f"{expert}{up}.weight"] = moe.w13.data[held, inter:]
-        targets[f"{expert}{down}.weight"] = moe.w2.data[held]
+    if moe.w13 is not None and moe.w2 is not None:
+        for held in range(moe.moe.held):
+            expert = f"{prefix}experts.{moe.first_expert + held}."
+            targets[f"{expert}{gate}.weight"] = moe.w13.data[held, :inter]
+            targets[f"{expert}{up}.weight"] = moe.w13.data[held, inter:]
+            targets[f"{expert}{down}.weight"] = moe.w2.data[held]
     if moe.shared_expert is not None:
         assert moe.shared_expert_gate is not None
-        shared, fused = f"{prefix}shared_expert.", moe.shared_expert.gate_up_proj.weight.data
-        half = fused.shape[0] // 2
-        targets[f"{shared}gate_proj.weight"] = fused[:half]
-        targets[f"{shared}up_proj.weight"] = fused[half:]
-        targets[f"{shared}down_proj.weight"] = moe.shared_expert.down_proj.weight.data
+        shared = f"{prefix}shared_expert."
         targets[f"{prefix}shared_expert_gate.weight"] = moe.shared_expert_gate.weight.data
+        fused = moe.shared_expert.gate_up_proj
+        if not isinstance(fused, QuantizedLinear):
+            half = fused.weight.shape[0] // 2
+            targets[f"{shared}gate_proj.weight"] = fused.weight.data[:half]
+            targets[f"{shared}up_proj.weight"] = fused.weight.data[half:]
+        if not isinstance(moe.shared_expert.down_proj, QuantizedLinear):
+            targets[f"{shared}down_proj.weight"] = moe.shared_expert.down_proj.weight.data
     return targets
 
 

@@ -33,27 +33,31 @@ FORMATS = (
     "gptq-v2",  # GPTQ v2 (zero points stored as they are), 4 bits, zero points
     "online-fp8",  # the float checkpoint itself; its twin is what `quantization: fp8` makes
 )
-_LINEAR_SUFFIXES = tuple(
-    f"{part}.weight"
-    for part in (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
+# A mixture of experts' routers (and Qwen2-MoE's shared-expert gate) stay float, as the public
+# FP8 checkpoints keep them (listed among the modules not converted).
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.shared_expert_gate.weight")
+
+
+def _is_linear(name: str, tensor: torch.Tensor) -> bool:
+    """Whether `name` is a decoder layer's linear weight that the quantizers convert: the
+    attention projections and the MLPs' (a mixture of experts': every expert's and the
+    shared expert's)."""
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(".weight")
+        and tensor.dim() == 2
+        and not name.endswith(_ROUTERS)
     )
-)
 
 
-def _fp8_config(fmt: str) -> dict:
+def _fp8_config(fmt: str, routers: list[str]) -> dict:
     if fmt in ("fp8-block", "online-fp8"):
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", *routers],
         }
     strategy = fmt.removeprefix("ct-fp8-")
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy}
@@ -73,7 +77,7 @@ def _fp8_config(fmt: str) -> dict:
                 "output_activations": None,
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *routers],
         "kv_cache_scheme": None,
     }
 
@@ -146,7 +150,7 @@ def _quantize_int4(
     return tensors, deq
 
 
-def _int4_config(fmt: str, group: int) -> dict:
+def _int4_config(fmt: str, group: int, routers: list[str]) -> dict:
     if fmt == "awq":
         return {
             "quant_method": "awq",
@@ -154,7 +158,7 @@ def _int4_config(fmt: str, group: int) -> dict:
             "group_size": group,
             "zero_point": True,
             "version": "gemm",
-            "modules_to_not_convert": None,
+            "modules_to_not_convert": routers or None,
         }
     return {
         "quant_method": "gptq",
@@ -166,14 +170,16 @@ def _int4_config(fmt: str, group: int) -> dict:
         "static_groups": False,
         "true_sequential": True,
         "damp_percent": 0.01,
+        "modules_to_not_convert": routers or None,
     }
 
 
 def write_quantized(
     src: str | Path, out: str | Path, fmt: str, group_size: int = 128, seed: int = 0
 ) -> tuple[Path, Path]:
-    """Write `src` (a float checkpoint dir) quantized as `fmt` to `out`, and its dequantized
-    twin to `out`-dequantized; return both paths (kept if already written)."""
+    """Write `src` (a float checkpoint dir) quantized as `fmt` to `out` (a mixture of experts'
+    experts too), and its dequantized twin to `out`-dequantized; return both paths (kept if
+    already written)."""
     src, out = Path(src), Path(out)
     twin = out.with_name(out.name + "-dequantized")
     if (out / "model.safetensors").exists() and (twin / "model.safetensors").exists():
@@ -188,7 +194,7 @@ def write_quantized(
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        if not name.endswith(_LINEAR_SUFFIXES):
+        if not _is_linear(name, tensor):
             quantized[name] = dequantized[name] = tensor.float().contiguous()
             continue
         base = name.removesuffix(".weight")
@@ -197,7 +203,8 @@ def write_quantized(
         else:
             perm = None
             if fmt == "gptq-asym-actorder":
-                key = base.rsplit(".", 1)[0] + ("" if "o_proj" in base or "down" in base else "+")
+                row_parallel = base.endswith(("o_proj", "down_proj", ".w2"))
+                key = base.rsplit(".", 1)[0] + ("" if row_parallel else "+")
                 if key not in perms:
                     perms[key] = torch.randperm(tensor.shape[1], generator=rng)
                 perm = perms[key]
@@ -205,7 +212,8 @@ def write_quantized(
         quantized |= {f"{base}.{suffix}": t.contiguous() for suffix, t in parts.items()}
         dequantized[name] = deq.contiguous()
     is_int4 = fmt.startswith(("awq", "gptq"))
-    quant = _int4_config(fmt, group_size) if is_int4 else _fp8_config(fmt)
+    routers = sorted(n.removesuffix(".weight") for n in weights if n.endswith(_ROUTERS))
+    quant = _int4_config(fmt, group_size, routers) if is_int4 else _fp8_config(fmt, routers)
     quantized_config = config if fmt == "online-fp8" else config | {"quantization_config": quant}
     for path, tensors, cfg in (
         (out, quantized, quantized_config),

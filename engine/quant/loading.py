@@ -1,6 +1,7 @@
-"""Quantized linear layers in a decoder: which modules they replace, and how each checkpoint
-format's tensors (or one tensor-parallel rank's slices of them) fill their layout
-(engine/quant/linear.py).
+"""Quantized linear layers in a decoder: which modules they replace (attention's, the dense
+MLPs', and a mixture of experts' shared expert and experts, one gate/up and one down per
+expert), and how each checkpoint format's tensors (or one tensor-parallel rank's slices of
+them) fill their layout (engine/quant/linear.py).
 
 A fused layer (qkv, gate_up) is filled part by part: each part's rows are read, converted to
 our layout on the host and copied into its rows of the fused layer. Column-parallel layers
@@ -20,9 +21,12 @@ from torch import nn
 
 from engine.core.errors import InvalidParam
 from engine.model.checkpoint_reader import CheckpointReader
+from engine.model.decoder import MLP
 from engine.model.linear_layers import LINEARS, part_sizes
 from engine.model.loader import DecoderSpec
+from engine.model.moe_config import expert_weight_names
 from engine.model.sharding import Shard, SliceOf
+from engine.model.sparse_moe import SparseMoE
 from engine.quant.fp8 import FP8, quantize_rows
 from engine.quant.linear import QuantizedLinear
 from engine.quant.packing import AWQ_ORDER, pack_columns, unpack_columns, unpack_rows
@@ -46,6 +50,18 @@ class LinearPart:
         return self.shard.rank * length, length
 
 
+@dataclass(frozen=True)
+class _Linear:
+    """A linear layer of a decoder layer, as the checkpoint holds it."""
+
+    module: str  # the decoder layer's submodule, e.g. "self_attn.qkv_proj"
+    names: list[str]  # the checkpoint layers fused into it, in row order (HF module names)
+    sizes: list[int]  # their output rows (the whole model's)
+    k: int  # their input columns (the whole model's)
+    column: bool
+    shard: Shard  # how it is split over the ranks (experts held whole: one rank's own)
+
+
 def quantize_modules(
     decoder: nn.Module, full: DecoderSpec, scheme: QuantScheme, shard: Shard
 ) -> dict[QuantizedLinear, list[LinearPart]]:
@@ -53,34 +69,107 @@ def quantize_modules(
     set) with QuantizedLinear; return each one's checkpoint parts."""
     dtype = decoder.norm.weight.dtype
     layers: dict[QuantizedLinear, list[LinearPart]] = {}
-    for i in range(full.num_layers):
-        for module, (names, column) in LINEARS.items():
-            hf = [f"model.layers.{i}.{name}" for name in names]
-            kept = [scheme.quantizes(name) for name in hf]
+    for i, layer in enumerate(decoder.layers):
+        for linear in _linears(layer, full, i, scheme, shard, dtype):
+            kept = [scheme.quantizes(name) for name in linear.names]
             if not any(kept):
                 continue
             if not all(kept):
                 raise InvalidParam(
                     "quantization_config.ignore",
-                    f"model: {hf} are fused in one layer, but only some are quantized",
+                    f"model: {linear.names} are fused in one layer, but only some are quantized",
                 )
-            sizes, k = part_sizes(full, module)
-            world = shard.world_size
+            world = linear.shard.world_size
             parts, start = [], 0
-            for name, n in zip(hf, sizes, strict=True):
-                local = n // world if column else n
-                parts.append(LinearPart(name, slice(start, start + local), n, k, column, shard))
+            for name, n in zip(linear.names, linear.sizes, strict=True):
+                local = n // world if linear.column else n
+                rows = slice(start, start + local)
+                parts.append(LinearPart(name, rows, n, linear.k, linear.column, linear.shard))
                 start += local
             _check_split(scheme, parts)
-            k_local = k if column else k // world
-            bias = decoder.layers[i].get_submodule(module).bias is not None
+            k_local = linear.k if linear.column else linear.k // world
+            bias = layer.get_submodule(linear.module).bias is not None
             groups = _num_groups(scheme, parts[0])
             with torch.device("meta"):
                 new = QuantizedLinear(k_local, start, bias, scheme, dtype, groups)
-            decoder.layers[i].set_submodule(module, new)
+            layer.set_submodule(linear.module, new)
             layers[new] = parts
     decoder.feature_major_max_tokens = 0  # the native feature-major GEMMs take float weights
     return layers
+
+
+def _linears(
+    layer: nn.Module,
+    full: DecoderSpec,
+    index: int,
+    scheme: QuantScheme,
+    shard: Shard,
+    dtype: torch.dtype,
+) -> list[_Linear]:
+    """Layer `index`'s linear layers: attention's, and its dense MLP's or its experts'."""
+    src = f"model.layers.{index}."
+    linears = []
+    for module, (names, column) in LINEARS.items():
+        if module.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
+            continue
+        sizes, k = part_sizes(full, module)
+        linears.append(_Linear(module, [src + name for name in names], sizes, k, column, shard))
+    if isinstance(layer.mlp, SparseMoE):
+        linears += _expert_linears(layer.mlp, full, index, scheme, shard, dtype)
+    return linears
+
+
+def _expert_linears(
+    moe: SparseMoE,
+    full: DecoderSpec,
+    index: int,
+    scheme: QuantScheme,
+    shard: Shard,
+    dtype: torch.dtype,
+) -> list[_Linear]:
+    """A sparse layer's linear layers: Qwen2-MoE's shared expert (a dense MLP's), and, where
+    the checkpoint's experts are quantized, each held expert's gate/up and down, for which the
+    layer takes one MLP module per expert (`SparseMoE.hold_experts`). Under expert
+    parallelism a rank holds its experts whole; else a slice of every one, as of a dense
+    MLP."""
+    assert full.moe is not None
+    prefix, (gate, up, down) = expert_weight_names(full.architecture, index)
+    hidden, linears = full.hidden_size, []
+    if full.moe.shared_expert_intermediate_size:
+        inter = full.moe.shared_expert_intermediate_size
+        names = ("gate_proj", "up_proj", "down_proj")
+        src = prefix + "shared_expert."
+        linears += _mlp_linears("mlp.shared_expert.", src, names, inter, hidden, shard)
+    experts = [f"{prefix}experts.{moe.first_expert + held}." for held in range(moe.moe.held)]
+    kept = [scheme.quantizes(expert + name) for expert in experts for name in (gate, up, down)]
+    if not any(kept):
+        return linears
+    if not all(kept):
+        raise InvalidParam(
+            "quantization_config.ignore",
+            f"model: layer {index}'s experts are stacked in one layer, but only some of their "
+            "weights are quantized",
+        )
+    with torch.device("meta"):
+        mlps = [MLP(hidden, moe.moe.expert_intermediate_size) for _ in experts]
+    moe.hold_experts(nn.ModuleList(mlps).to(dtype))
+    whole = Shard(0, 1) if shard.expert_parallel else shard
+    inter = full.moe.expert_intermediate_size
+    for held, expert in enumerate(experts):
+        module = f"mlp.expert_mlps.{held}."
+        linears += _mlp_linears(module, expert, (gate, up, down), inter, hidden, whole)
+    return linears
+
+
+def _mlp_linears(
+    module: str, src: str, names: tuple[str, str, str], inter: int, hidden: int, shard: Shard
+) -> list[_Linear]:
+    """A gated MLP's fused gate/up (column-parallel) and its down (row-parallel)."""
+    gate, up, down = (src + name for name in names)
+    return [
+        _Linear(module + "gate_up_proj", [gate, up], [inter, inter], hidden, True, shard),
+        _Linear(module + "down_proj", [down], [hidden], inter, False, shard),
+    ]
 
 
 def _group(scheme: QuantScheme, k: int) -> int:
@@ -111,6 +200,13 @@ def _check_split(scheme: QuantScheme, parts: list[LinearPart]) -> None:
                 unit = 8
             size, what = part.k // world, "input columns"
             cuts = world > 1 and size % unit
+        if cuts and world == 1:  # fused with the other parts, a block would straddle two
+            raise InvalidParam(
+                "model",
+                f"model: {part.name} has {size} {what}, not a multiple of its quantization "
+                f"unit ({unit}), and is fused with {[p.name for p in parts if p is not part]}: "
+                "its blocks are not served",
+            )
         if cuts:
             raise InvalidParam(
                 "tensor_parallel_size",

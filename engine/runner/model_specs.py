@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.quant.scheme import parse_quantization_config
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -107,16 +109,19 @@ class ModelSpec:
 
     def quantized(self, weights: str | None = None, kv_cache_dtype: str = "auto") -> ModelSpec:
         """This model as a replica serves it with `weights` ("fp8": FP8 weights and GEMMs,
-        one float32 scale per output row; "int4": 4-bit weights with a float32 scale and a
-        zero point per group of 128, as engine/quant/linear.py holds them) and an FP8 KV
-        cache ("fp8_e4m3")."""
+        one float32 scale per output row; "fp8_block": FP8 weights with a float32 scale per
+        128x128 block, dequantized in the GEMM; "int4": 4-bit weights with a float32 scale
+        and a zero point per group of 128, as engine/quant/linear.py holds them) and an FP8
+        KV cache ("fp8_e4m3")."""
         spec = self
         if weights == "fp8":
             spec = replace(spec, linear_bytes=1.0, fp8_gemms=True, name=f"{spec.name}+fp8")
+        elif weights == "fp8_block":
+            spec = replace(spec, linear_bytes=1.0 + 4 / 128**2, name=f"{spec.name}+fp8-block")
         elif weights == "int4":
             spec = replace(spec, linear_bytes=0.5 + 5 / 128, name=f"{spec.name}+int4")
         elif weights is not None:
-            raise ValueError(f"weights must be fp8, int4 or None, got {weights!r}")
+            raise ValueError(f"weights must be fp8, fp8_block, int4 or None, got {weights!r}")
         if kv_cache_dtype == "fp8_e4m3":
             spec = replace(spec, kv_dtype_bytes=1, name=f"{spec.name}+kv-fp8")
         return spec
@@ -126,12 +131,14 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, model_dir: str | Path, dtype_bytes: int = 4) -> ModelSpec:
-        """The spec of a local HF checkpoint (config.json only; no weights are read)."""
+        """The spec of a local HF checkpoint (config.json only; no weights are read), its
+        linear layers' bytes those of its quantized format where it has one (gpt-oss's MXFP4
+        experts are served dequantized)."""
         path = Path(model_dir)
         cfg = json.loads((path / "config.json").read_text())
         heads = cfg["num_attention_heads"]
         experts = cfg.get("num_experts", cfg.get("num_local_experts")) or 0
-        return cls(
+        spec = cls(
             name=path.name,
             num_layers=cfg["num_hidden_layers"],
             hidden_size=cfg["hidden_size"],
@@ -148,6 +155,10 @@ class ModelSpec:
                 cfg.get("moe_intermediate_size") or cfg["intermediate_size"] if experts else 0
             ),
         )
+        quantization = cfg.get("quantization_config")
+        if not quantization or quantization.get("quant_method") == "mxfp4":
+            return spec
+        return spec.quantized(parse_quantization_config(quantization).layout)
 
 
 # Shapes from each model's published config.json.

@@ -54,6 +54,25 @@ def test_a_step_reads_the_experts_its_tokens_touch():
     assert dense.num_experts == 0 and dense.step_weight_bytes(64) == dense.weight_bytes
 
 
+def test_a_quantized_checkpoints_spec_reads_its_experts_in_their_format(tmp_path):
+    """config.json's quantization_config sets the bytes of every linear layer, experts
+    included: Qwen3-30B-A3B-FP8's block-FP8 layout reads about half its bf16 bytes."""
+    import json
+
+    from engine.model.random_checkpoint import QUANT_CONFIGS, SHAPES
+
+    shape = SHAPES["qwen3-30b-a3b-12l"]
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    bf16 = ModelSpec.from_hf_config(tmp_path, dtype_bytes=2)
+    quantized = shape | {"quantization_config": QUANT_CONFIGS["fp8-block"]}
+    (tmp_path / "config.json").write_text(json.dumps(quantized))
+    fp8 = ModelSpec.from_hf_config(tmp_path, dtype_bytes=2)
+    assert fp8.linear_bytes == pytest.approx(1.0, rel=1e-3) and not fp8.fp8_gemms
+    for tokens in (1, 32, 4096):
+        ratio = fp8.step_weight_bytes(tokens) / bf16.step_weight_bytes(tokens)
+        assert 0.5 < ratio < 0.75, (tokens, ratio)  # the embeddings stay bf16
+
+
 def test_the_tuner_takes_a_moe_model(tmp_path):
     from cluster.trace_file import save_trace
 

@@ -125,9 +125,6 @@ def test_the_expert_path_equals_each_tokens_own_experts():
 def test_what_moe_does_not_serve_yet_is_a_start_error_naming_the_field(tmp_path: Path):
     model = tiny_model_dir("mixtral")
     with pytest.raises(InvalidParam) as err:
-        build_engine(model, 4, 40, quantization="fp8")
-    assert err.value.param == "quantization"
-    with pytest.raises(InvalidParam) as err:
         build_engine(model, 4, 40, lora={})
     assert err.value.param == "lora"
     spec = read_spec(model)
@@ -219,16 +216,21 @@ class _Sharded:
         self.shard = shard
 
 
-@pytest.mark.parametrize("shape", ["qwen3-moe-mini", "gpt-oss-mini"])
-def test_a_random_checkpoint_of_a_moe_shape_serves_as_transformers_reads_it(tmp_path, shape):
+@pytest.mark.parametrize(
+    ("shape", "quant"),
+    [("qwen3-moe-mini", None), ("qwen3-moe-mini", "fp8-block"), ("gpt-oss-mini", None)],
+)
+def test_a_random_checkpoint_of_a_moe_shape_serves_as_transformers_reads_it(tmp_path, shape, quant):
     """engine/model/random_checkpoint.py's MoE shapes (the GPU stage's 12-layer Qwen3-30B-A3B
-    and gpt-oss-20b are such): per-expert weights under the real names, or gpt-oss's stacked
-    MXFP4 experts (dequantized at load, as transformers dequantizes them), which transformers
-    loads too."""
+    and gpt-oss-20b are such): per-expert weights under the real names (or in FP8 blocks, as
+    Qwen3-30B-A3B-FP8 has them), or gpt-oss's stacked MXFP4 experts (dequantized at load, as
+    transformers dequantizes them), which transformers loads too."""
     from engine.model.random_checkpoint import make_random_checkpoint
 
     gpt_oss = shape.startswith("gpt-oss")  # (AutoTokenizer needs its files for gpt-oss)
-    checkpoint = make_random_checkpoint(tmp_path / "moe", shape, torch.float32, tokenizer=gpt_oss)
+    checkpoint = make_random_checkpoint(
+        tmp_path / "moe", shape, torch.float32, quant=quant, tokenizer=gpt_oss
+    )
     model = str(checkpoint)
     prompts = random_prompts(9, 4, max_len=20)
     engine = build_engine(model, 4, 60, max_num_seqs=4, max_num_batched_tokens=32)

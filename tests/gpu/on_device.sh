@@ -14,6 +14,8 @@
 #                                       # adapters against the base, small model
 #   bash tests/gpu/on_device.sh moe     # mixtures of experts: fused kernels at Qwen3-30B-A3B's
 #                                       # layer shape, decode at batch 1/32/128, prefill
+#   bash tests/gpu/on_device.sh moe-fp8 # the same layers with Qwen3-30B-A3B-FP8's block-FP8
+#                                       # experts (held in FP8): decode, prefill
 #   bash tests/gpu/on_device.sh gpt-oss # gpt-oss-20b's layers (MXFP4 experts dequantized at
 #                                       # load): decode at batch 1/32/128, prefill
 #   bash tests/gpu/on_device.sh serving # the serving path over the 8B-shaped engine against
@@ -153,6 +155,22 @@ case ${1:-} in
         step moe-engine 300 "$PY" -m loadtests.bench_engine --model "$checkpoint" \
             --device "$DEVICE" --dtype "$DTYPE" --repeat 1 --skip-hf --json
         ;;
+    moe-fp8)
+        # The `moe` stage's layers in Qwen3-30B-A3B-FP8's layout (experts in 128x128 FP8
+        # blocks, routers float), each expert on the block-FP8 GEMM: the same steps as `moe`'s,
+        # to set beside them.
+        checkpoint=/tmp/qwen3-30b-a3b-12l-fp8
+        [ -f "$checkpoint/config.json" ] || step checkpoint-moe-fp8 300 "$PY" -m \
+            engine.model.random_checkpoint --shape qwen3-30b-a3b-12l --out "$checkpoint" \
+            --dtype "$DTYPE" --device "$DEVICE" --quant fp8-block
+        for batch in 1 32 128; do
+            step "moe-fp8-decode$batch" 150 "$PY" -m loadtests.bench_decode \
+                --model "$checkpoint" --device "$DEVICE" --dtype "$DTYPE" --batch "$batch" \
+                --kv-cache-gb 8 --json
+        done
+        step moe-fp8-engine 300 "$PY" -m loadtests.bench_engine --model "$checkpoint" \
+            --device "$DEVICE" --dtype "$DTYPE" --repeat 1 --skip-hf --json
+        ;;
     gpt-oss)
         # gpt-oss-20b's layer shape in 12 layers (its CUDA tests are in `moe`): decode at
         # batch 1, 32 and 128 and the whole workload, on triton's sinks and windows.
@@ -168,6 +186,6 @@ case ${1:-} in
         step gpt-oss-engine 200 "$PY" -m loadtests.bench_engine --model "$checkpoint" \
             --device "$DEVICE" --dtype "$DTYPE" --repeat 1 --skip-hf --json
         ;;
-    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving|moe|gpt-oss" >&2
+    *) echo "usage: $0 headline|tests|small|8b|quant|spec|lora|serving|moe|moe-fp8|gpt-oss" >&2
        exit 2 ;;
 esac

@@ -3,19 +3,25 @@ start-up self-check and equal the grouped torch path at Qwen3-30B-A3B's layer sh
 experts of width 768, 8 per token) from one token to a prefill's 512, in bf16; each tiny MoE
 family on CUDA gives the CPU engine's tokens (which the CPU suite checks against
 transformers), gpt-oss's on the triton kernel's sinks and per-layer windows and its experts
-on the grouped torch path."""
+on the grouped torch path; quantized experts (block FP8, AWQ) serve in bf16 on their layouts'
+kernels, expert by expert."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.cpu.decoder_ops import DecoderOps
 from engine.model.moe_config import MoESpec
 from engine.model.moe_kernel import fused_experts
 from engine.model.sparse_moe import SparseMoE, moe_layers
+from engine.quant.linear import quantized_layers, reference_kernel
 from tests.conftest import build_engine, tiny_model_dir
 from tests.engine.test_oracle import random_prompts, run_mix
+from tests.engine.test_quantized_moe import quant_moe_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,3 +61,25 @@ def test_each_family_on_cuda_gives_the_cpu_engines_tokens(family):
     if not kernels:
         assert cuda.runner.backend.name == "triton"  # (flashinfer has no sinks)
     assert run_mix(cuda, prompts, [12] * 8, arrivals) == want
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("qwen3-moe", "fp8-block"), ("mixtral", "awq")])
+def test_quantized_experts_serve_in_bfloat16_on_their_kernels(arch, fmt):
+    model, _ = quant_moe_model(arch, fmt)
+    engine = build_engine(model, device="cuda", dtype="bfloat16", max_num_seqs=8)
+    verdicts = {c.part: c.result for c in engine.runner.self_check}
+    assert set(verdicts.values()) == {"pass"}, engine.runner.self_check
+    assert ("fp8_block_gemm" if fmt == "fp8-block" else "int4_gemm") in verdicts
+    assert "moe" not in verdicts  # (the fused kernels take float experts only)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4096) for _ in range(rng.randint(4, 60))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fast = [r.token_ids for r in engine.generate(prompts, greedy)]
+    for layer in quantized_layers(engine.runner.model):
+        layer.kernel = reference_kernel
+    engine.runner.graphs = None
+    reference = [r.token_ids for r in engine.generate(prompts, greedy)]
+    assert all(len(t) == 12 for t in fast)
+    # Weight-only kernels compute what the reference computes, up to bf16 rounding.
+    same = sum(a == b for a, b in zip(fast, reference, strict=True))
+    assert same >= 4, (fast, reference)
