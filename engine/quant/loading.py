@@ -147,8 +147,8 @@ def _expert_linears(
     if not all(kept):
         raise InvalidParam(
             "quantization_config.ignore",
-            f"model: layer {index}'s experts are stacked in one layer, but only some of their "
-            "weights are quantized",
+            f"model: layer {index}'s experts are only partly quantized (the checkpoint's list "
+            "of modules not converted names some of their weights): not served",
         )
     with torch.device("meta"):
         mlps = [MLP(hidden, moe.moe.expert_intermediate_size) for _ in experts]
