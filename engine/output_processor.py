@@ -101,6 +101,7 @@ class OutputProcessor:
                     logprobs=_logprobs_of(result.logprobs, core.request_id, new_ids),
                     prompt_logprobs=tracked.take_prompt_logprobs(),
                     embedding=core.embedding,
+                    num_cached_tokens=req.num_cached_prompt_tokens or 0,
                 )
             )
             if finish_reason is not None:

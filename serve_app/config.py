@@ -88,6 +88,22 @@ class ControllerArgs(_Strict):
     )
 
 
+class TrafficTraceArgs(_Strict):
+    """deploy.yaml `trace:`: the app's record of its own traffic, a row per finished or
+    rejected request (lengths and times, never text), for `python -m cluster.tune
+    --from-url` (GET /v1/cluster/trace)."""
+
+    enabled: bool = Field(True, description="Record the traffic.")
+    max_rows: int = Field(100_000, ge=1, description="Most rows kept (the oldest go first).")
+    max_age_s: float = Field(86_400.0, gt=0.0, description="Rows older than this go.")
+    flush_s: float = Field(
+        1.0,
+        gt=0.0,
+        description="How often an ingress replica sends its rows (a replica that dies loses "
+        "at most the rows of this last interval).",
+    )
+
+
 class AutoscalingArgs(_Strict):
     """Engine replica count from queue depth (cluster/autoscale.py), through Ray Serve's
     autoscaler. The rule keeps its own delays; Serve's are set to 0."""
@@ -298,6 +314,9 @@ class AppArgs(_Strict):
     )
     tracing: TracingArgs = Field(
         default_factory=TracingArgs, description="OpenTelemetry tracing of requests."
+    )
+    trace: TrafficTraceArgs = Field(
+        default_factory=TrafficTraceArgs, description="The record of the app's traffic."
     )
     autoscaling: AutoscalingArgs | None = Field(
         None, description="Scale engine replicas on queue depth. Null: engine_replicas is fixed."

@@ -2,22 +2,23 @@
 
     python -m cluster.tune --trace trace.jsonl --slo ttft=2 --slo itl=0.1 [--attainment 0.9]
     python -m cluster.tune --workload diurnal --rate 30 --duration 3600 --slo ttft=2 ...
+    python -m cluster.tune --from-url http://head:8000/llm [--since 24h] --slo ttft=2 ...
         [--model Llama-2-7B [--model SERVED=NAME ...] --gpu A100-80GB
          | --calibration calibration.json]
         [--set max_num_seqs=64,128,256 --set policy=static,combined --set max_replicas=8 ...]
         [--trials 40] [--workers 2] [--out reports/tune] [--json]
 
-The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py)
-or a named generator. A trace with a `model` column (an app serving several models) is tuned
-model by model, each on its own replicas (`--model SERVED=NAME` gives each its cost model),
-and tuned.yaml holds deploy.yaml's `models:` entries. A setting runs the real scheduler
-over the trace on a fleet of simulated replicas (cluster/cluster_sim.py); `--trials`
-whole-trace runs are the budget of the search (cluster/tune/search.py: successive halving
-where the grid is larger). SLOs:
-per-request objectives (ttft, itl, e2e, in seconds) that `--attainment` of requests must
-meet, and percentiles (ttft_p99, ...) that must not exceed their value. Knobs:
-cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto front of
-replica-hours against attainment, writes the cheapest setting that meets the target as
+The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py), a
+named generator, or what a running app recorded of its own traffic (GET /v1/cluster/trace,
+saved as trace.jsonl under --out). A trace with a `model` column (an app serving several
+models) is tuned model by model, each on its own replicas (`--model SERVED=NAME` gives each its
+cost model), and tuned.yaml holds deploy.yaml's `models:` entries. A setting runs the real
+scheduler over the trace on a fleet of simulated replicas (cluster/cluster_sim.py); `--trials`
+whole-trace runs are the budget of the search (cluster/tune/search.py: successive halving where
+the grid is larger). SLOs: per-request objectives (ttft, itl, e2e, in seconds) that
+`--attainment` of requests must meet, and percentiles (ttft_p99, ...) that must not exceed
+their value. Knobs: cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto
+front of replica-hours against attainment, writes the cheapest setting that meets the target as
 deploy.yaml `args:` (tuned.yaml), report.md, front.png and replicas.png under --out.
 Ctrl-C stops the search and reports on the trials so far.
 """
@@ -31,6 +32,9 @@ import os
 import re
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -107,6 +111,25 @@ def by_model(trace: list[SimRequest]) -> dict[str | None, list[SimRequest]]:
     return dict(sorted(groups.items(), key=lambda kv: kv[0] or ""))
 
 
+def fetch_trace(url: str, since: str, api_key: str | None, out: Path) -> Path:
+    """The app's recorded traffic since `since` (GET /v1/cluster/trace), saved as
+    `out`/trace.jsonl; raises ValueError with the app's answer when it refuses."""
+    query = urllib.parse.urlencode({"since": since})
+    request = urllib.request.Request(f"{url.rstrip('/')}/v1/cluster/trace?{query}")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"--from-url: {exc.code} {exc.read().decode(errors='replace')}") from None
+    except urllib.error.URLError as exc:
+        raise ValueError(f"--from-url {url}: {exc.reason}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trace.jsonl").write_bytes(body)
+    return out / "trace.jsonl"
+
+
 def _share(fraction: float) -> str:
     return "the whole trace" if fraction == 1.0 else f"the trace {round(1 / fraction)}x faster"
 
@@ -116,6 +139,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="JSONL: arrival_s, prompt_len, output_len per line")
     source.add_argument("--workload", choices=NAMED_WORKLOADS)
+    source.add_argument(
+        "--from-url", help="a running app (e.g. http://head:8000/llm): its recorded traffic"
+    )
+    parser.add_argument("--since", default="24h", help="--from-url: 24h, 30m, or epoch seconds")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("DYNABATCH_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="--from-url: the app's API key (default: $DYNABATCH_API_KEY, $OPENAI_API_KEY)",
+    )
     parser.add_argument("--rate", type=float, default=20.0, help="--workload: requests/s")
     parser.add_argument("--duration", type=float, default=1800.0, help="--workload: seconds")
     parser.add_argument(
@@ -143,7 +175,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         points = space.points()
         for p in (points[0], points[-1]):
             space.setting(p).check()
-        if opts.trace:
+        if opts.from_url:
+            saved = fetch_trace(opts.from_url, opts.since, opts.api_key, Path(opts.out))
+            trace, what = load_trace(saved), f"{opts.from_url}'s traffic since {opts.since}"
+        elif opts.trace:
             trace, what = load_trace(opts.trace), opts.trace
         else:
             trace = named_workload(opts.workload, opts.rate, opts.duration, opts.seed)

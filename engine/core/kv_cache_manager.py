@@ -198,6 +198,8 @@ class KVCacheManager:
         if not self.admit(request, hit, n):
             return None
         request.num_computed_tokens = num_cached
+        if request.num_cached_prompt_tokens is None:  # (a preempted request's own blocks later)
+            request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
         return n, []
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:

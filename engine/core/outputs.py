@@ -193,6 +193,8 @@ class RequestOutput:
     # On the first delta, when the request asks: one per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embedding request's, on its finished delta
+    # Prompt tokens read from the prefix cache rather than computed (set on every delta).
+    num_cached_tokens: int = 0
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
@@ -214,6 +216,7 @@ class RequestOutput:
             ),
             prompt_logprobs=self.prompt_logprobs,
             embedding=later.embedding,
+            num_cached_tokens=later.num_cached_tokens,
         )
 
 

@@ -82,6 +82,8 @@ class Request:
         self.num_tokens = self.num_prompt_tokens
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
+        # Prompt tokens the prefix cache held at its first admission (None: not admitted yet).
+        self.num_cached_prompt_tokens: int | None = None
         self.num_drafts_in_flight = 0  # slots held past its tokens for drafts being verified
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

@@ -14,6 +14,7 @@ from serve_app.config import AppArgs, AutoscalingArgs
 from serve_app.deploy.cpu_share import RayCpus, engine_cpus, engine_replicas_that_fit
 from serve_app.ingress.deployment import OpenAIIngress
 from serve_app.observability.metrics_board import EngineMetricsBoard
+from serve_app.observability.traffic_trace import TrafficTrace
 from serve_app.openai.responses.store import ResponseStore
 from serve_app.replica.engine_server import EngineServer
 from serve_app.replica.lora_board import LoRABoard
@@ -47,6 +48,11 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     if app_args.api.stored_responses:  # the Responses API's, outliving any ingress replica
         store = ResponseStore.options(ray_actor_options=control).bind(
             app_args.api.stored_responses, app_args.api.stored_response_ttl_s
+        )
+    trace = None
+    if app_args.trace.enabled:  # the app's own traffic, from every ingress replica
+        trace = TrafficTrace.options(ray_actor_options=control).bind(
+            app_args.trace.max_rows, app_args.trace.max_age_s
         )
     cpus = RayCpus.found()
     engines, controllers, lora_boards = [], [], []
@@ -94,7 +100,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 | _REQUESTS_COUNTED_AT_REPLICAS
             },
         },
-    ).bind(engines, [m.model_dump() for m in models], controllers, board, lora_boards, store)
+    ).bind(engines, [m.model_dump() for m in models], controllers, board, lora_boards, store, trace)
 
 
 def deployment_name(base: str, model_name: str | None) -> str:

@@ -24,6 +24,7 @@ from serve_app.ingress.ops_routes import OpsState
 from serve_app.ingress.served_models import ServedModel, ServedModels
 from serve_app.observability import replica_logs, tracing
 from serve_app.observability.telemetry import IngressMetrics
+from serve_app.observability.trace_recorder import TraceRecorder
 from serve_app.openai import protocol as oai
 from serve_app.openai.embeddings import router as embeddings_router
 from serve_app.openai.errors import install_error_handlers
@@ -47,6 +48,7 @@ class OpenAIIngress:
         metrics_board: DeploymentHandle | None,
         lora_boards: list[DeploymentHandle | None],
         response_store: DeploymentHandle | None = None,
+        traffic_trace: DeploymentHandle | None = None,
     ) -> None:
         """One engine deployment, args, controller and LoRA board per model served (the
         app-wide fields of the args are the same in each)."""
@@ -59,6 +61,9 @@ class OpenAIIngress:
         self.metrics = IngressMetrics()
         tracer = tracing.make_tracer(first.tracing, "ingress")
         created = oai.now()
+        recorder = None
+        if traffic_trace is not None:
+            recorder = TraceRecorder(traffic_trace, first.trace.flush_s)
         served = [
             ServedModel.started(
                 args,
@@ -70,6 +75,7 @@ class OpenAIIngress:
                 self.metrics,
                 tracer,
                 created,
+                recorder,
             )
             for args, engine, controller, board in zip(
                 declared, engines, controllers, lora_boards, strict=True
@@ -82,6 +88,7 @@ class OpenAIIngress:
             metrics_board,
             first.health,
             first.controller.report_timeout_s,
+            recorder,
         )
         # What the routes beside generation read (serve_app/ingress/edge_routes.py).
         app.state.edge = EdgeState(first.api, self.models, first.api.keys())
@@ -101,6 +108,10 @@ class OpenAIIngress:
     @app.get("/v1/cluster")
     async def cluster(self) -> Response:
         return await ops_routes.cluster(self.ops)
+
+    @app.get("/v1/cluster/trace")
+    async def cluster_trace(self, since: str | None = None, until: str | None = None) -> Response:
+        return await ops_routes.trace(self.ops, since, until)
 
     @app.post("/v1/completions")
     async def completions(self, body: oai.CompletionRequest) -> Response:

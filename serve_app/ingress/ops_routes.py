@@ -1,11 +1,14 @@
 """What the ingress's operations routes answer: GET /health (for load balancers), /metrics
 (Prometheus: the ingress's own and the engine replicas'), /v1/cluster (the controllers'
-views). The routes are the OpenAIIngress class's own (serve_app/ingress/deployment.py)."""
+views), /v1/cluster/trace (the app's traffic, as the tuner's JSONL). The routes are the
+OpenAIIngress class's own (serve_app/ingress/deployment.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +17,15 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.ingress.served_models import ServedModel, ServedModels
 from serve_app.observability.telemetry import IngressMetrics
+from serve_app.observability.trace_recorder import TraceRecorder
+from serve_app.observability.traffic_trace import parse_instant, trace_lines
 from serve_app.openai.errors import OpenAIError
 from serve_app.replica.health import HealthArgs
 
 logger = logging.getLogger(__name__)
+
+# A day of a busy app's rows is megabytes: longer than a controller's report may take.
+_TRACE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -27,6 +35,7 @@ class OpsState:
     metrics_board: DeploymentHandle | None
     health: HealthArgs
     report_timeout_s: float  # controller.report_timeout_s
+    trace: TraceRecorder | None = None  # the app's traffic trace (deploy.yaml `trace:`)
 
 
 async def health(ops: OpsState) -> Response:
@@ -81,3 +90,27 @@ async def cluster(ops: OpsState) -> Response:
     if len(views) == 1:
         return JSONResponse(views[ops.models.first.name])
     return JSONResponse({"models": views})
+
+
+async def trace(ops: OpsState, since: str | None, until: str | None) -> Response:
+    """The traffic trace's rows that arrived in [since, until) (each wall-clock seconds or a
+    span before now such as 24h; by default all of them) as JSONL; a bad bound is a 400
+    naming it."""
+    if ops.trace is None:
+        message = "the traffic trace is disabled (trace.enabled)"
+        return OpenAIError.server_error(503, message).response()
+    now = time.time()
+    bounds = []
+    for name, text, default in (("since", since, 0.0), ("until", until, math.inf)):
+        try:
+            bounds.append(default if text is None else parse_instant(text, now))
+        except ValueError as exc:
+            return OpenAIError(400, f"{name}: {exc}", param=name).response()
+    if bounds[1] < bounds[0]:
+        return OpenAIError(400, "until: before since", param="until").response()
+    try:
+        rows = await asyncio.wait_for(ops.trace.rows(*bounds), _TRACE_TIMEOUT_S)
+    except Exception as exc:  # restarting: the rows wait at the ingress replicas meanwhile
+        message = f"traffic trace unavailable: {type(exc).__name__}"
+        return OpenAIError.server_error(503, message).response()
+    return Response("".join(trace_lines(rows)), media_type="application/x-ndjson")

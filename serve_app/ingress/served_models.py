@@ -17,6 +17,7 @@ from engine.model.loader import read_spec, resolve_max_model_len
 from serve_app.config import AppArgs
 from serve_app.ingress.lora_names import AdapterNames
 from serve_app.observability.telemetry import IngressMetrics
+from serve_app.observability.trace_recorder import TraceRecorder
 from serve_app.openai.completions import CompletionsService
 from serve_app.openai.embeddings import EmbeddingsService
 from serve_app.openai.errors import OpenAIError
@@ -58,6 +59,7 @@ class ServedModel:
         metrics: IngressMetrics,
         tracer,
         created: int,
+        trace: TraceRecorder | None = None,
     ) -> ServedModel:
         """`declared`: the model's args as deployed; `owner`: this ingress replica's actor
         (its engine replicas end its requests if it dies)."""
@@ -83,7 +85,9 @@ class ServedModel:
             model_metrics.sequence_resumed,
         )
         metrics.watch_path(client)
-        path = RequestPath(args, max_model_len, prompts, adapters, client, model_metrics, tracer)
+        path = RequestPath(
+            args, max_model_len, prompts, adapters, client, model_metrics, tracer, trace
+        )
         if path.defaults:
             logger.info(
                 "%s: requests leaving these out sample with its generation_config.json's: %s",

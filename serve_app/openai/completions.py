@@ -28,7 +28,7 @@ class CompletionsService:
         url = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         with contextlib.ExitStack() as scope:
             span = scope.enter_context(path.span(url, body.model, bool(body.stream)))
-            headers = {}
+            headers, prep = {}, None
             try:
                 headers = path.ignored_header(body)
                 prep = path.prepare(endpoint, body, await path.adapters.resolve(body.model))
@@ -39,6 +39,8 @@ class CompletionsService:
                 span.event("first_token")  # at this replica: what remains is the response's
             except OpenAIError as exc:
                 metrics.answered(endpoint, exc.status)
+                if prep is not None and exc.status in (429, 503):
+                    path.record_rejected(prep)
                 span.set({"http.response.status_code": exc.status})
                 response = exc.response()
                 response.headers.update(headers)

@@ -2,7 +2,7 @@
 route (completions, chat, responses, embeddings): its server span, its unknown fields, its
 validation into a Prepared request (the chat template applied, tokenized, sampling
 parameters checked: a 400 names the field), the engine client that runs it, and its record
-in the metrics and the span when it ends."""
+in the metrics, the span and the app's traffic trace when it ends (or is turned away)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from serve_app.ingress.api_policy import IGNORED_FIELDS_HEADER, IgnoredFields
 from serve_app.ingress.lora_names import AdapterNames
 from serve_app.observability import tracing
 from serve_app.observability.telemetry import IngressMetrics
+from serve_app.observability.trace_recorder import TraceRecorder
+from serve_app.observability.traffic_trace import Row
 from serve_app.openai import protocol as oai
 from serve_app.openai.errors import OpenAIError
 from serve_app.openai.logprobs_format import LogprobsFormatter
@@ -39,7 +41,9 @@ class RequestPath:
         client: EngineClient,
         metrics: IngressMetrics,
         tracer,
+        trace: TraceRecorder | None = None,
     ) -> None:
+        """`trace`: where the request's row goes when it ends (the app's traffic trace)."""
         self.args = args
         self.max_model_len = max_model_len
         self.prompts = prompts
@@ -47,6 +51,7 @@ class RequestPath:
         self.client = client
         self.metrics = metrics
         self.tracer = tracer
+        self.trace = trace
         self.ignored = IgnoredFields()
         # What a request that leaves a sampling field out gets: the checkpoint's values.
         self.defaults = generation_defaults(args.model, args.engine.generation_config)
@@ -155,4 +160,41 @@ class RequestPath:
                 "dynabatch.ttft_s": ttft,
             }
         )
-        self.metrics.completed(prompt, completion, reason, ttft, time.perf_counter() - prep.started)
+        e2e = time.perf_counter() - prep.started
+        self.metrics.completed(prompt, completion, reason, ttft, e2e)
+        if self.trace is not None:
+            cached = lasts[0].num_cached_tokens
+            self.trace.add(self._row(prep, prompt, completion, cached, reason, ttft, e2e))
+
+    def record_rejected(self, prep: Prepared) -> None:
+        """A request turned away before it ran (429, 503): its row in the traffic trace, its
+        output the max_tokens it asked for (the demand it stood for)."""
+        if self.trace is not None:
+            e2e = time.perf_counter() - prep.started
+            prompt, asked = len(prep.prompt_token_ids), prep.params.max_tokens
+            self.trace.add(self._row(prep, prompt, asked, 0, None, None, e2e, rejected=True))
+
+    def _row(
+        self,
+        prep: Prepared,
+        prompt: int,
+        output: int,
+        cached: int,
+        reason: str | None,
+        ttft: float | None,
+        e2e: float,
+        rejected: bool = False,
+    ) -> Row:
+        return {
+            "request_id": prep.request_id,
+            "arrival_unix": time.time() - e2e,
+            "model": self.args.model_name,
+            "adapter": prep.lora[0] if prep.lora else None,
+            "prompt_len": prompt,
+            "output_len": output,
+            "cached_prompt_len": cached,
+            "finish_reason": reason if reason or rejected else "abort",
+            "ttft_s": ttft,
+            "e2e_s": e2e,
+            "rejected": rejected,
+        }

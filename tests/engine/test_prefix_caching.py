@@ -51,6 +51,24 @@ def test_second_request_reuses_the_freed_blocks_of_the_first():
     assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 18 + 20
     sched.update_from_output(out, fake_run(out))
     sched.check_integrity()
+    # What each request found cached at admission (the traffic trace's cached_prompt_len).
+    assert sched.requests["b"].num_cached_prompt_tokens == 16
+
+
+def test_a_preempted_request_counts_only_what_it_found_cached_at_first():
+    """The blocks a preempted request gets back from the cache are its own, not a hit."""
+    sched = scheduler(num_blocks=12)
+    old = request("old", PROMPT, max_tokens=20)
+    young = request("young", list(range(500, 516)), max_tokens=20)
+    for r in (old, young):
+        sched.add_request(r)
+    preempted = set()
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        preempted.update(out.preempted_request_ids)
+        sched.update_from_output(out, fake_run(out))
+    assert preempted
+    assert (old.num_cached_prompt_tokens, young.num_cached_prompt_tokens) == (0, 0)
 
 
 def test_an_identical_prompt_still_computes_its_last_token():
@@ -188,3 +206,16 @@ def test_outputs_identical_with_caching_on_and_off(tiny_model, oracle, scenario,
     assert sched_on.stats().prefix_cache_hits > 0 and sched_off.stats().prefix_cache_hits == 0
     if scenario == "preemption":
         assert sched_on.num_preemptions_total > 0, "scenario meant to force preemption"
+
+
+def test_the_finished_delta_says_how_much_of_the_prompt_was_cached(tiny_model):
+    engine = build_engine(tiny_model, block_size=4, num_blocks=100)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    cached = []
+    for rid in ("first", "second"):
+        engine.add_request(rid, PROMPT, params)
+        lasts = []
+        while engine.has_unfinished_requests():
+            lasts += [out for out in engine.step() if out.finished]
+        cached.append(lasts[0].num_cached_tokens)
+    assert cached == [0, 16]  # the second found the first's 4 full blocks

@@ -78,6 +78,7 @@ def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
         async with httpx.AsyncClient(timeout=120, headers=NARROW_AUTH) as http:
             return await asyncio.gather(*(one(http, i) for i in range(12)))
 
+    started = time.time()
     results = asyncio.run(burst())
     codes = [code for code, _, _ in results]
     assert set(codes) <= {200, 429}, codes
@@ -95,6 +96,13 @@ def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
     stats = _wait_stats(serve_cluster, "narrow", 1, _idle)
     s = next(iter(stats.values()))
     assert _idle(s) and s["num_rejected_total"] >= codes.count(429), s
+    # The traffic trace holds each of them: the turned-away with the tokens they asked for.
+    trace = f"{serve_cluster.base_url}/narrow/v1/cluster/trace"
+    resp = httpx.get(trace, params={"since": started}, headers=NARROW_AUTH, timeout=30)
+    rows = [json.loads(line) for line in resp.text.splitlines()]
+    burst_rows = [row for row in rows if row["prompt_len"] > 1 and row["output_len"] == 120]
+    assert sorted(row["rejected"] for row in burst_rows) == sorted(c == 429 for c in codes)
+    assert all(row["finish_reason"] == "length" for row in burst_rows if not row["rejected"])
 
 
 def test_prefix_affinity_keeps_a_prefix_on_one_replica(serve_cluster):
