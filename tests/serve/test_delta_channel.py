@@ -53,6 +53,7 @@ def test_a_packed_batch_unpacks_to_equal_deltas_with_every_field():
         logprobs=[TokenLogprob(-0.5, [(5, -0.5)]), TokenLogprob(-1.0, [(6, -1.0)])],
         prompt_logprobs=[None, TokenLogprob(-2.0, [])],
         embedding=[0.5, -0.5],
+        num_cached_tokens=2,
     )
     # Every field differs from its default: one the rows left out would show.
     defaults = RequestOutput("b", [], "", False, None, 0, 0)
