@@ -8,20 +8,17 @@ kernels, expert by expert."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from engine.core.sampling_params import SamplingParams
 from engine.cpu.decoder_ops import DecoderOps
 from engine.model.moe_config import MoESpec
 from engine.model.moe_kernel import fused_experts
 from engine.model.sparse_moe import SparseMoE, moe_layers
-from engine.quant.linear import quantized_layers, reference_kernel
 from tests.conftest import build_engine, tiny_model_dir
 from tests.engine.test_oracle import random_prompts, run_mix
 from tests.engine.test_quantized_moe import quant_moe_model
+from tests.gpu.test_cuda_quant import fast_and_reference_tokens
 
 pytestmark = [
     pytest.mark.gpu,
@@ -71,15 +68,7 @@ def test_quantized_experts_serve_in_bfloat16_on_their_kernels(arch, fmt):
     assert set(verdicts.values()) == {"pass"}, engine.runner.self_check
     assert ("fp8_block_gemm" if fmt == "fp8-block" else "int4_gemm") in verdicts
     assert "moe" not in verdicts  # (the fused kernels take float experts only)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(4096) for _ in range(rng.randint(4, 60))] for _ in range(6)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    fast = [r.token_ids for r in engine.generate(prompts, greedy)]
-    for layer in quantized_layers(engine.runner.model):
-        layer.kernel = reference_kernel
-    engine.runner.graphs = None
-    reference = [r.token_ids for r in engine.generate(prompts, greedy)]
-    assert all(len(t) == 12 for t in fast)
+    fast, reference = fast_and_reference_tokens(engine)
     # Weight-only kernels compute what the reference computes, up to bf16 rounding.
     same = sum(a == b for a, b in zip(fast, reference, strict=True))
     assert same >= 4, (fast, reference)

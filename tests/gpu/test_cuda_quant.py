@@ -90,6 +90,15 @@ def test_every_format_serves_in_bfloat16_with_its_kernels_passing_the_self_check
     gemm = {"fp8-block": "fp8_block_gemm", "ct-fp8-block": "fp8_block_gemm"}.get(fmt)
     gemm = gemm or ("int4_gemm" if fmt.startswith(("awq", "gptq")) else "fp8_gemm")
     assert {gemm, "attention", "token_draw", "decode_graph"} <= set(verdicts)
+    fast, reference = fast_and_reference_tokens(engine)
+    if gemm != "fp8_gemm":  # weight-only kernels compute what the reference computes
+        same = sum(a == b for a, b in zip(fast, reference, strict=True))
+        assert same >= 4, (fast, reference)
+
+
+def fast_and_reference_tokens(engine) -> tuple[list[list[int]], list[list[int]]]:
+    """12 greedy tokens for each of 6 random prompts on the quantized layers' fast kernels,
+    then on their reference (decode graphs off), from the same engine."""
     rng = random.Random(0)
     prompts = [[rng.randrange(4096) for _ in range(rng.randint(4, 60))] for _ in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -99,9 +108,7 @@ def test_every_format_serves_in_bfloat16_with_its_kernels_passing_the_self_check
     engine.runner.graphs = None
     reference = [r.token_ids for r in engine.generate(prompts, greedy)]
     assert all(len(t) == 12 for t in fast)
-    if gemm != "fp8_gemm":  # weight-only kernels compute what the reference computes
-        same = sum(a == b for a, b in zip(fast, reference, strict=True))
-        assert same >= 4, (fast, reference)
+    return fast, reference
 
 
 def test_an_fp8_kv_cache_on_the_triton_backend_reads_what_torch_reads(tiny_model):
