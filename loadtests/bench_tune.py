@@ -2,6 +2,9 @@
 default and tuned, on autoscaled fleets in the simulator.
 
     python -m loadtests.bench_tune [--trials 24] [--duration 1200] [--out reports/tune_table]
+    python -m loadtests.bench_tune --ray [--duration 1200] [--rate 40]
+
+(--ray: the tuner's speed in local processes against Ray tasks, loadtests/tune_pool_speed.py.)
 
 For each model x GPU and each workload (cluster.workload.named_workload: chat, long-prompt,
 bursty, diurnal; rates in units of one replica's capacity, measured first), four kinds of
@@ -31,11 +34,14 @@ from typing import Any
 from cluster.request_records import Slo
 from cluster.sim_config import SimConfig
 from cluster.simulator import capacity
+from cluster.tune.problem import Problem
 from cluster.tune.report import Target, cheapest
-from cluster.tune.search import Problem, search
+from cluster.tune.search import search
 from cluster.tune.space import Setting, Space
+from cluster.tune.trial_pool import LocalPool, TrialPool
 from cluster.workload import make_workload, named_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams
+from loadtests import tune_pool_speed
 
 TARGET = Target(Slo(ttft_s=2.0, itl_s=0.1), attainment=0.9)
 REPLICAS = (("Llama-2-7B", "A100-80GB"), ("Llama-2-13B", "A100-40GB"))
@@ -65,7 +71,7 @@ def _row(kind: str, trial: dict[str, Any], tuned: dict[str, Any] | None) -> dict
     }
 
 
-def run(trials: int, duration_s: float, out: Path, workers: int) -> dict[str, Any]:
+def run(trials: int, duration_s: float, out: Path, pool: TrialPool) -> dict[str, Any]:
     rows = []
     started = time.perf_counter()
     for model, gpu in REPLICAS:
@@ -73,9 +79,7 @@ def run(trials: int, duration_s: float, out: Path, workers: int) -> dict[str, An
         for workload, load in LOADS.items():
             trace = named_workload(workload, load * cap, duration_s, seed=0)
             problem = Problem(trace, MODELS[model], GPUS[gpu], CostParams(), TARGET.slo)
-            found, _ = search(
-                problem, Space.of(STATIC_SPACE), trials, out / "trials.jsonl", workers
-            )
+            found, _ = search(problem, Space.of(STATIC_SPACE), trials, out / "trials.jsonl", pool)
             tuned = cheapest(found, TARGET) or max(found, key=lambda t: t["sla_attainment"])
             kinds = [("default static", Setting())]
             kinds += [
@@ -123,9 +127,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--duration", type=float, default=1200.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="reports/tune_table")
+    parser.add_argument("--ray", action="store_true", help="local processes against Ray tasks")
+    parser.add_argument("--rate", type=float, default=40.0, help="--ray: the trace's req/s")
     opts = parser.parse_args(argv)
     out = Path(opts.out)
-    result = run(opts.trials, opts.duration, out, opts.workers)
+    if opts.ray:
+        result = tune_pool_speed.run(opts.duration, opts.rate, out)
+        tune_pool_speed.write_report(result, out)
+        print((out / "pools.md").read_text())
+        return result
+    with LocalPool(opts.workers) as pool:
+        result = run(opts.trials, opts.duration, out, pool)
     write_report(result, out)
     print((out / "report.md").read_text())
     return result

@@ -6,7 +6,7 @@
         [--model Llama-2-7B [--model SERVED=NAME ...] --gpu A100-80GB
          | --calibration calibration.json]
         [--set max_num_seqs=64,128,256 --set policy=static,combined --set max_replicas=8 ...]
-        [--trials 40] [--workers 2] [--out reports/tune] [--json]
+        [--trials 40] [--workers 2 | --ray [ADDRESS]] [--out reports/tune] [--json]
 
 The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py), a
 named generator, or what a running app recorded of its own traffic (GET /v1/cluster/trace,
@@ -20,7 +20,10 @@ the grid is larger). SLOs: per-request objectives (ttft, itl, e2e, in seconds) t
 their value. Knobs: cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto
 front of replica-hours against attainment, writes the cheapest setting that meets the target as
 deploy.yaml `args:` (tuned.yaml), report.md, front.png and replicas.png under --out.
-Ctrl-C stops the search and reports on the trials so far.
+Trials run in --workers local processes, or with --ray as Ray tasks across a cluster (ADDRESS,
+else the cluster RAY_ADDRESS or `ray start` names, else a new local one; cluster/tune/ray_pool.py):
+the same trials either way for the same --seed and --trials. Ctrl-C stops the search and
+reports on the trials so far.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ import yaml
 
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace
+from cluster.tune.problem import Problem
 from cluster.tune.report import PERCENTILES, Target, cheapest, write
-from cluster.tune.search import Problem, plan, search
+from cluster.tune.search import plan, search
 from cluster.tune.space import DEFAULT_SPACE, Setting, Space, parse_knob
+from cluster.tune.trial_pool import LocalPool, TrialPool
 from cluster.workload import NAMED_WORKLOADS, SimRequest, named_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams, GpuSpec, ModelSpec
 
@@ -130,6 +135,15 @@ def fetch_trace(url: str, since: str, api_key: str | None, out: Path) -> Path:
     return out / "trace.jsonl"
 
 
+def _pool(opts):
+    """Where the trials run: Ray tasks (--ray) or local processes (--workers)."""
+    if opts.ray is None:
+        return LocalPool(opts.workers or os.cpu_count() or 1)
+    from cluster.tune.ray_pool import RayPool  # only a --ray search needs Ray
+
+    return RayPool(opts.ray or None, opts.workers)
+
+
 def _share(fraction: float) -> str:
     return "the whole trace" if fraction == 1.0 else f"the trace {round(1 / fraction)}x faster"
 
@@ -162,7 +176,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--set", action="append", default=[], help="KNOB=V1,V2,...")
     parser.add_argument("--trials", type=int, default=40, help="per served model")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--workers", type=int, help="local processes (default: the CPUs); with --ray, in flight"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run the trials as Ray tasks on this cluster (no ADDRESS: RAY_ADDRESS or local)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="reports/tune")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON last")
@@ -189,16 +212,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (ValueError, TraceError, OSError) as exc:
         parser.error(str(exc))
     out = Path(opts.out)
-    if None in groups:
-        result = _tune(opts, target, space, trace, what, specs[None], out)
-    else:  # each model on its own replicas: its own requests, its own search
-        results = {
-            who: _tune(opts, target, space, rows, f"{what}, {who}", specs[who], out / _slug(who))
-            for who, rows in groups.items()
-            if who is not None
-        }
-        _write_models(out, results)
-        result = {"models": results}
+    with _pool(opts) as pool:
+        if None in groups:
+            result = _tune(opts, target, space, trace, what, specs[None], out, pool)
+        else:  # each model on its own replicas: its own requests, its own search
+            results = {
+                who: _tune(
+                    opts, target, space, rows, f"{what}, {who}", specs[who], out / _slug(who), pool
+                )
+                for who, rows in groups.items()
+                if who is not None
+            }
+            _write_models(out, results)
+            result = {"models": results}
+        if opts.ray is not None:
+            result["ray"] = {"nodes": len(pool.nodes), "rerun": pool.rerun}
+            print(
+                f"Ray: trials ran on {len(pool.nodes)} nodes; {pool.rerun} re-run after their "
+                "worker or node was lost",
+                file=sys.stderr,
+            )
     if opts.json:
         print(json.dumps(result, default=str))
     return result
@@ -212,6 +245,7 @@ def _tune(
     what: str,
     spec: tuple[ModelSpec, GpuSpec, CostParams, str],
     out: Path,
+    pool: TrialPool,
 ) -> dict[str, Any]:
     """One search over `trace` on replicas of `spec`, reported under `out`."""
     model, gpu, cost, replica_name = spec
@@ -240,7 +274,7 @@ def _tune(
         )
 
     trials, complete = search(
-        problem, space, opts.trials, out / "trials.jsonl", opts.workers, opts.seed, progress
+        problem, space, opts.trials, out / "trials.jsonl", pool, opts.seed, progress
     )
     print(file=sys.stderr)
     if not trials:

@@ -1,4 +1,5 @@
-"""The tuner's search: settings simulated on a trace in worker processes.
+"""The tuner's search: settings simulated on a trace, in a pool of workers (this process,
+local processes, or Ray tasks across a cluster: cluster/tune/trial_pool.py, ray_pool.py).
 
 Where the budget covers the grid, every setting runs on the whole trace. Else six tenths of
 the budget go to successive halving: settings run first on the trace's day played three
@@ -8,108 +9,30 @@ replica-hours against SLO attainment then run on the whole trace. The rest of th
 goes to the grid neighbours of the settings on the Pareto front, where a better setting is
 most likely to be (then to settings not yet run). Every whole-trace trial is appended to a
 JSONL file as it lands, so an interrupted search (Ctrl-C) keeps what it found; the caller
-reports on those trials.
+reports on those trials. Each round's trials are taken in the order they were asked for,
+whatever order they land in, so the same seed and budget choose the same settings in any pool.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import random
-import signal
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from cluster.cluster_sim import ClusterSimulator
-from cluster.request_records import Slo
-from cluster.tune.space import Setting, Space
-from cluster.workload import SimRequest
-from engine.runner.cost_model import CostParams, GpuSpec, ModelSpec
+from cluster.tune.problem import Problem
+from cluster.tune.space import Space
+from cluster.tune.trial_pool import LocalPool, TrialPool
 
 # Successive halving: the best third of each rung goes on, the last rung on the whole trace.
 # A day played nine times faster ranked a diurnal trace's settings unlike the whole day.
 ETA = 3
 RUNG_SHARES = (1 / ETA,)  # the share of the trace's requests in each rung before the last
 SCREENED = 0.6  # the share of the budget successive halving spends
-
-# Summary figures a trial keeps (cluster_sim.ClusterSimResult.summary).
-KEPT = (
-    "replica_hours",
-    "mean_replicas",
-    "max_replicas",
-    "sla_attainment",
-    "ttft_attainment",
-    "itl_attainment",
-    "e2e_attainment",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "itl_p50_s",
-    "itl_p99_s",
-    "e2e_p50_s",
-    "e2e_p99_s",
-    "finished",
-    "requests",
-    "scale_ups",
-    "scale_downs",
-)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What every trial shares: the trace, the replica's model and GPU, and the SLO."""
-
-    trace: list[SimRequest]
-    model: ModelSpec
-    gpu: GpuSpec
-    cost: CostParams
-    slo: Slo
-
-    def simulate(self, setting: Setting):
-        return ClusterSimulator(setting.fleet(self.model, self.gpu, self.cost, self.slo)).run(
-            self.trace
-        )
-
-    def trial(self, setting: Setting, fraction: float = 1.0) -> dict[str, Any]:
-        """The setting's figures on the trace; or, at `fraction` = 1/k, on the trace's day
-        run k times faster: every k-th request, at 1/k of its time (the arrival rate and
-        the traffic's shape kept), the fleet's delays at 1/k too."""
-        started = time.perf_counter()
-        problem, run = self, setting
-        if fraction < 1.0:
-            k = round(1 / fraction)
-            trace = [replace(r, arrival_s=r.arrival_s / k) for r in self.trace[::k]]
-            problem = replace(self, trace=trace)
-            run = replace(
-                setting,
-                upscale_delay_s=setting.upscale_delay_s / k,
-                downscale_delay_s=setting.downscale_delay_s / k,
-                startup_delay_s=setting.startup_delay_s / k,
-            )
-        summary = problem.simulate(run).summary()
-        out = {k: summary[k] for k in KEPT}
-        out["wall_s"] = time.perf_counter() - started
-        return {"setting": asdict(setting), **out} | (
-            {"fraction": fraction} if fraction < 1 else {}
-        )
-
-
-_problem: Problem | None = None  # a worker process's copy, sent once
-
-
-def _init_worker(problem: Problem) -> None:
-    global _problem
-    _problem = problem
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-
-
-def _run_trial(job: tuple[Setting, float]) -> dict[str, Any]:
-    assert _problem is not None
-    return _problem.trial(*job)
 
 
 def _key(setting: dict[str, Any]) -> str:
@@ -164,41 +87,39 @@ def search(
     space: Space,
     trials: int,
     results: Path,
-    workers: int,
+    pool: TrialPool | None = None,
     seed: int = 0,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
-    """Spend a budget of `trials` whole-trace runs; returns the whole-trace trials and
-    whether the search ran to its end (False: interrupted). Each is appended to `results`
-    as it finishes; `progress` sees every run, a share of the trace's too (`fraction`)."""
+    """Spend a budget of `trials` whole-trace runs in `pool` (None: this process); returns
+    the whole-trace trials and whether the search ran to its end (False: interrupted). Each
+    is appended to `results` as it lands; `progress` sees every run as it lands, a share of
+    the trace's too (`fraction`). The pool stays open: its owner closes it."""
+    pool = pool if pool is not None else LocalPool(1)
     rng = random.Random(seed)
     done: list[dict[str, Any]] = []
+    landing: list[tuple[int, dict[str, Any]]] = []  # the round in flight, as it lands
     seen: set[tuple[int, ...]] = set()
     point_of: dict[str, tuple[int, ...]] = {}
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text("")
-    context = multiprocessing.get_context("spawn")
-    pool = context.Pool(workers, _init_worker, (problem,)) if workers > 1 else None
 
     def run(points: list[tuple[int, ...]], fraction: float) -> list[dict[str, Any]]:
         seen.update(points)
         settings = [space.setting(p) for p in points]
         point_of.update((_key(asdict(st)), p) for st, p in zip(settings, points, strict=True))
-        jobs = [(st, fraction) for st in settings]
-        outcomes = (
-            pool.imap_unordered(_run_trial, jobs)
-            if pool is not None
-            else (problem.trial(*job) for job in jobs)
-        )
-        landed = []
-        for trial in outcomes:
-            landed.append(trial)
+        landing.clear()
+        for index, trial in pool.run(problem, [(st, fraction) for st in settings]):
+            landing.append((index, trial))
             if fraction == 1.0:
-                done.append(trial)
                 with results.open("a") as f:
                     f.write(json.dumps(trial) + "\n")
             if progress is not None:
                 progress(trial)
+        landed = [trial for _, trial in sorted(landing, key=lambda it: it[0])]
+        landing.clear()
+        if fraction == 1.0:
+            done.extend(landed)
         return landed
 
     try:
@@ -219,10 +140,8 @@ def search(
             around += space.sample(extra - len(around), rng, exclude=seen | set(around))
         run(around[:extra], 1.0)
     except KeyboardInterrupt:
+        pool.close()
+        done.extend(trial for _, trial in landing if "fraction" not in trial)
         print(f"\ninterrupted: {len(done)} trials kept in {results}", file=sys.stderr)
         return done, False
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
     return done, True

@@ -5,7 +5,8 @@ through custom resources), and one worker node removed while 16 greedy requests 
 node of an engine replica (`engine`), or the node of the cluster controller (`control`,
 which also holds an engine replica, and maybe the metrics board). With `+tp` (`engine+tp`,
 `control+tp`) each engine replica has two tensor-parallel ranks, each in a bundle of the
-replica's placement group.
+replica's placement group. With `+tune`, the tuner's trials then run as Ray tasks on two
+fresh worker nodes, one of them lost mid-search (tests/chaos/tune_nodes.py).
 
 Run in a process of its own (`python -m tests.chaos.multinode control+tp`): a process
 joins one Ray cluster, and the test session's own local Ray is another. Prints one JSON
@@ -19,7 +20,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -106,6 +109,7 @@ def main(scenario: str) -> dict:
     from serve_app import build_app
     from serve_app.deploy.local_cluster import free_port
     from tests.chaos.conftest import chaos_args, differences, run_all, run_with_fault
+    from tests.chaos.tune_nodes import tune_across
     from tests.conftest import tiny_model_dir
 
     store = 128 << 20
@@ -153,6 +157,9 @@ def main(scenario: str) -> dict:
         # from the replicas; the cluster view once the controller is back.
         result["metrics_after_s"] = _until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)
         result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
+        if "tune" in parts:
+            with tempfile.TemporaryDirectory() as out:
+                result["tune"] = tune_across(cluster, Path(out))
     finally:  # no graceful stop: the cluster goes whole, its processes with it
         ray.shutdown()
         cluster.shutdown()

@@ -5,7 +5,9 @@ the workers), the node of the cluster controller and of one engine replica remov
 greedy requests run loses none of them: all complete with an undisturbed run's texts, Serve
 brings the replica back on the surviving node, its ranks again on its node, every KV block
 ends free, and /metrics and /v1/cluster answer again. (Plain replicas lose their node in
-tests/chaos/test_netns_node.py.)"""
+tests/chaos/test_netns_node.py.) Then the tuner's trials run as Ray tasks on two fresh
+worker nodes, one lost mid-search: the trial it was running runs again elsewhere, and the
+search's trials equal the same search's run in one process."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.timeout(420)
 
 
 def test_a_dead_node_loses_no_accepted_request():
-    result = run_json([sys.executable, "-m", "tests.chaos.multinode", "control+tp"], REPO, 400)
+    result = run_json([sys.executable, "-m", "tests.chaos.multinode", "control+tp+tune"], REPO, 400)
     assert result["placement"] == ["0", "1"], result  # one engine replica per worker node
     assert result["completed"] == 16 and result["equal"], result
     assert result["replicas_after"] == 2 and result["on_survivor"] == 2, result
@@ -28,3 +30,6 @@ def test_a_dead_node_loses_no_accepted_request():
     assert result["ranks_with_leader"] == [True] * 2, result
     assert result["ranks_with_leader_after"] == [True] * 2, result
     assert result["metrics_after_s"] is not None and result["cluster_after_s"] is not None, result
+    tune = result["tune"]
+    assert tune["complete"] and tune["trials"] == 7 and tune["equal"] and tune["cli_equal"], tune
+    assert tune["victim_ran"] >= 1 and tune["survivor_ran"] >= 1 and tune["rerun"] >= 1, tune

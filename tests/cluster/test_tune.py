@@ -13,9 +13,11 @@ import yaml
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace, save_trace
 from cluster.tune.cli import main as tune_main
+from cluster.tune.problem import Problem
 from cluster.tune.report import Target, binding, cheapest
-from cluster.tune.search import RUNG_SHARES, Problem, pareto_front, plan, search
+from cluster.tune.search import RUNG_SHARES, pareto_front, plan, search
 from cluster.tune.space import Setting, Space
+from cluster.tune.trial_pool import LocalPool
 from cluster.workload import make_workload
 from engine.runner.cost_model import GPUS, MODELS, CostParams
 
@@ -67,7 +69,7 @@ def test_reachable_slo_cheapest_setting_meets_it_and_deploys(tmp_path):
     from serve_app.config import AppArgs
 
     target = Target(Slo(ttft_s=2.0, itl_s=0.1), attainment=0.9)
-    trials, complete = search(problem(target.slo), Space.of(SPACE), 8, tmp_path / "t.jsonl", 1)
+    trials, complete = search(problem(target.slo), Space.of(SPACE), 8, tmp_path / "t.jsonl")
     assert complete and len(trials) == 4  # the whole grid
     chosen = cheapest(trials, target)
     assert chosen is not None and chosen["sla_attainment"] >= 0.9
@@ -85,7 +87,7 @@ def test_reachable_slo_cheapest_setting_meets_it_and_deploys(tmp_path):
 
 def test_impossible_slo_reports_none_and_what_binds(tmp_path):
     target = Target(Slo(ttft_s=0.001, itl_s=0.1), attainment=0.9)
-    trials, _ = search(problem(target.slo), Space.of(SPACE), 4, tmp_path / "t.jsonl", 1)
+    trials, _ = search(problem(target.slo), Space.of(SPACE), 4, tmp_path / "t.jsonl")
     assert len(trials) == 4  # a budget of the grid's size covers all of it
     assert cheapest(trials, target) is None
     why = binding(trials, target)
@@ -108,7 +110,7 @@ def test_successive_halving_promotes_the_best_within_the_budget(tmp_path):
     assert plan(space.size, 6) == [(5, third), (2, 1.0), (2, 1.0)]
     runs: list[dict] = []
     trials, complete = search(
-        problem(Slo(ttft_s=2.0, itl_s=0.1)), space, 6, tmp_path / "t.jsonl", 1, progress=runs.append
+        problem(Slo(ttft_s=2.0, itl_s=0.1)), space, 6, tmp_path / "t.jsonl", progress=runs.append
     )
     screened = [r for r in runs if r.get("fraction") == third]
     assert len(screened) == 5 and len(trials) == 4 and complete
@@ -135,6 +137,24 @@ def test_successive_halving_promotes_the_best_within_the_budget(tmp_path):
     assert not any(dominates(r, k) for r in screened if key(r) not in promoted for k in kept)
 
 
+def test_worker_processes_find_what_one_process_finds(tmp_path):
+    """Trials land in any order from two workers; the search takes each round in the order
+    it asked, so it promotes and explores the same settings (the Ray pool likewise, on three
+    nodes: tests/chaos/tune_nodes.py)."""
+    space = Space.of(SPACE | {"max_replicas": [1, 3]})
+    alone, _ = search(problem(Slo(ttft_s=2.0)), space, 5, tmp_path / "a.jsonl", seed=4)
+    with LocalPool(2) as pool:
+        shared, complete = search(
+            problem(Slo(ttft_s=2.0)), space, 5, tmp_path / "b.jsonl", pool, seed=4
+        )
+    assert complete and len(shared) == len(alone) > 0
+
+    def figures(trials):
+        return [{k: v for k, v in t.items() if k != "wall_s"} for t in trials]
+
+    assert figures(shared) == figures(alone)
+
+
 def test_interrupted_search_keeps_finished_trials(tmp_path):
     seen = []
 
@@ -144,9 +164,7 @@ def test_interrupted_search_keeps_finished_trials(tmp_path):
             raise KeyboardInterrupt
 
     results = tmp_path / "t.jsonl"
-    trials, complete = search(
-        problem(Slo()), Space.of(SPACE), 4, results, 1, progress=stop_after_two
-    )
+    trials, complete = search(problem(Slo()), Space.of(SPACE), 4, results, progress=stop_after_two)
     assert not complete and len(trials) == 2
     assert [json.loads(line) for line in results.read_text().splitlines()] == trials
 
