@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cluster import live_settings
+
 # Names of the per-replica metrics EngineServer.record_autoscaling_stats() reports.
 METRIC_WAITING = "waiting"
 METRIC_RUNNING = "running"
@@ -132,15 +134,37 @@ class QueueDepthAutoscaler:
 
     Serve applies its own upscale/downscale delays after this returns; the app sets them to 0
     because the rule keeps its own (so the simulator, which runs the rule alone, matches).
+
+    Settings applied to the running app (cluster/live_settings.py) replace the rule's config
+    within SETTINGS_CHECK_S of their apply, keeping its timers; Serve still holds the count
+    within the deployed min_replicas and max_replicas.
     """
 
-    def __init__(self, **config: Any) -> None:
+    SETTINGS_CHECK_S = 1.0
+
+    def __init__(self, deployed: str = "", **config: Any) -> None:
         self.rule = QueueDepthRule(AutoscaleConfig(**config))
+        self.deployed = deployed  # the fingerprint of the model's args as deployed
+        self.settings_version = 0
+        self.checked_at = -math.inf
+
+    def _take_settings(self, ctx: Any, now: float) -> None:
+        if now - self.checked_at < self.SETTINGS_CHECK_S or not ctx.app_name:
+            return
+        self.checked_at = now
+        record_key = live_settings.key(ctx.app_name, ctx.deployment_name)
+        applied = live_settings.read(record_key, self.deployed)
+        if applied is None or applied.version == self.settings_version:
+            return
+        if applied.autoscaling is not None:
+            self.rule.config = AutoscaleConfig(**applied.autoscaling)
+        self.settings_version = applied.version
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        self._take_settings(ctx, now)
         metrics = ctx.aggregated_metrics or {}
         loads = loads_from_metrics(metrics)
-        now = ctx.current_time if ctx.current_time is not None else time.time()
         desired = self.rule.desired(now, ctx.target_num_replicas, loads)
         state = dict(ctx.policy_state or {})
         state["queue_depth_rule"] = {
@@ -148,6 +172,7 @@ class QueueDepthAutoscaler:
             "down_since": self.rule.down_since,
             "last_reason": self.rule.last_reason,
             "config": asdict(self.rule.config),
+            "settings_version": self.settings_version,
         }
         return desired, state
 

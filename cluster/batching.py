@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
 from engine.core.config import SchedulerLimits
 from engine.core.outputs import SchedulerStats
@@ -281,3 +283,20 @@ def make_policy(
             SlaPolicy(sla or SlaConfig(), max_num_seqs),
         )
     raise ValueError(f"batching policy must be static, memory_aware, sla or combined: {name!r}")
+
+
+def policy_factory(batching: dict[str, Any], max_num_seqs: int) -> Callable[[], AnyPolicy]:
+    """A picklable no-argument callable that makes a fresh policy (one per replica) from
+    deploy.yaml's `batching:` fields (serve_app.config.BatchingArgs, as plain data)."""
+    bounds = Bounds(batching["batch_size_lower"], batching["batch_size_upper"])
+    sla = SlaConfig(
+        target_s=batching["sla_target_ms"] / 1e3,
+        eps_s=batching["sla_eps_ms"] / 1e3,
+        alpha=batching["sla_alpha"],
+        delta=batching["sla_delta"],
+        window=batching["sla_window"],
+        max_step=batching["sla_max_step"],
+        bounds=bounds,
+    )
+    memory = MemoryAwareConfig(batching["eta"], bounds)
+    return partial(make_policy, batching["policy"], max_num_seqs, memory, sla)

@@ -117,6 +117,8 @@ class ClusterControl:
 
     make_policy: Callable[[], AnyPolicy]
     stale_after_s: float = 5.0
+    # Set: every decision's token budget (settings applied live); None: the replica's own.
+    max_num_batched_tokens: int | None = None
     replicas: dict[str, _Replica] = field(default_factory=dict)
     num_reports_total: int = 0
     num_expired_total: int = 0
@@ -138,9 +140,20 @@ class ClusterControl:
         entry.num_reports += 1
         self.num_reports_total += 1
         limits = entry.policy.limits_from_window(stats.scheduler, stats.decode)
+        if self.max_num_batched_tokens is not None:
+            limits = SchedulerLimits(limits.max_num_seqs, self.max_num_batched_tokens)
         entry.decision = ControlDecision(limits)
         self._apply_sla_rule()
         return entry.decision
+
+    def retune(
+        self, make_policy: Callable[[], AnyPolicy], max_num_batched_tokens: int | None
+    ) -> None:
+        """Run every replica under a new policy (each a fresh one, from its start value) and
+        token budget, from its next report on."""
+        self.make_policy, self.max_num_batched_tokens = make_policy, max_num_batched_tokens
+        for entry in self.replicas.values():
+            entry.policy = make_policy()
 
     def _apply_sla_rule(self) -> None:
         """Throttled replicas get a routing weight in proportion to their batch limit against

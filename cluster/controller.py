@@ -9,6 +9,10 @@ One call per period, started by the replica, so:
 - a controller that dies costs nothing but the decisions: replicas keep their last limits,
   their calls time out, and the restarted controller rebuilds its view from the next reports.
 
+Settings applied to the running app (POST /v1/cluster/settings: its policy, limits and
+token budget) it reads from the model's record (cluster/live_settings.py) when it starts and
+about every SETTINGS_CHECK_S after, so a restart keeps them.
+
 It is a Serve deployment with one replica rather than a bare named actor: Serve gives it a
 name inside the app, restarts it when it dies (health-checked, like `max_restarts` plus
 liveness), and removes it with the app. A detached actor would outlive `serve shutdown`; a
@@ -17,28 +21,66 @@ non-detached one made by a replica would die with that replica on scale-down.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ray import serve
 
-from cluster.batching import AnyPolicy
+from cluster import live_settings
+from cluster.batching import policy_factory
 from cluster.control import ClusterControl, ControlDecision, ReplicaStats
 
 DEPLOYMENT_NAME = "ClusterController"
+SETTINGS_CHECK_S = 1.0  # how often it looks for settings applied to the running app
 
 
 @serve.deployment(name=DEPLOYMENT_NAME, num_replicas=1, max_ongoing_requests=1000)
 class ClusterController:
-    def __init__(self, make_policy: Callable[[], AnyPolicy], stale_after_s: float) -> None:
-        self.control = ClusterControl(make_policy, stale_after_s=stale_after_s)
+    def __init__(
+        self,
+        batching: dict[str, Any],
+        max_num_seqs: int,
+        stale_after_s: float,
+        engine_deployment: str,
+        deployed: str,
+    ) -> None:
+        """`batching`: deploy.yaml's `batching:` as deployed; `engine_deployment`: the name
+        of the deployment whose replicas report here; `deployed`: the fingerprint of the
+        model's args (cluster/live_settings.py)."""
+        self.control = ClusterControl(
+            policy_factory(batching, max_num_seqs), stale_after_s=stale_after_s
+        )
         self.started_at = time.time()
+        self.policy, self.version = batching["policy"], 0
+        context = serve.get_replica_context()
+        self.record_key = live_settings.key(context.app_name, engine_deployment)
+        self.deployed = deployed
+        self.checked_at = -math.inf
+        self._take_settings(time.monotonic())
+
+    def _take_settings(self, now: float) -> None:
+        """Run every replica under the model's applied settings, if newer than those in
+        force, from its next report on."""
+        if now - self.checked_at < SETTINGS_CHECK_S:
+            return
+        self.checked_at = now
+        applied = live_settings.read(self.record_key, self.deployed)
+        if applied is None or applied.version == self.version:
+            return
+        factory = policy_factory(applied.batching, applied.max_num_seqs)
+        self.control.retune(factory, applied.max_num_batched_tokens)
+        self.policy, self.version = applied.batching["policy"], applied.version
 
     async def report(self, stats: ReplicaStats) -> ControlDecision:
-        return self.control.report(stats, time.monotonic())
+        now = time.monotonic()
+        self._take_settings(now)
+        return self.control.report(stats, now)
 
     async def status(self) -> dict[str, Any]:
-        view = self.control.view(time.monotonic())
+        now = time.monotonic()
+        self._take_settings(now)
+        view = self.control.view(now)
         view["controller_uptime_s"] = round(time.time() - self.started_at, 3)
+        view["policy"], view["settings_version"] = self.policy, self.version
         return view

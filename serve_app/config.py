@@ -40,22 +40,9 @@ class BatchingArgs(_Strict):
 
     def factory(self, max_num_seqs: int):
         """A picklable no-argument callable that makes a fresh policy (one per replica)."""
-        from functools import partial
+        from cluster.batching import policy_factory
 
-        from cluster.batching import Bounds, MemoryAwareConfig, SlaConfig, make_policy
-
-        bounds = Bounds(self.batch_size_lower, self.batch_size_upper)
-        sla = SlaConfig(
-            target_s=self.sla_target_ms / 1e3,
-            eps_s=self.sla_eps_ms / 1e3,
-            alpha=self.sla_alpha,
-            delta=self.sla_delta,
-            window=self.sla_window,
-            max_step=self.sla_max_step,
-            bounds=bounds,
-        )
-        memory = MemoryAwareConfig(self.eta, bounds)
-        return partial(make_policy, self.policy, max_num_seqs, memory, sla)
+        return policy_factory(self.model_dump(), max_num_seqs)
 
 
 class ControllerArgs(_Strict):
@@ -391,7 +378,7 @@ class AppArgs(_Strict):
             try:
                 found.append(AppArgs.model_validate(entry.over(top)))
             except ValueError as exc:
-                raise ValueError(f"models[{index}] ({entry.model}): {_first_error(exc)}") from None
+                raise ValueError(f"models[{index}] ({entry.model}): {first_error(exc)}") from None
         return found
 
     @property
@@ -448,7 +435,7 @@ class AppArgs(_Strict):
         return self.engine.max_num_seqs + self.max_queued_requests
 
 
-def _first_error(exc: ValueError) -> str:
+def first_error(exc: ValueError) -> str:
     """A pydantic ValidationError's first message, its location named; another ValueError's
     text."""
     from pydantic import ValidationError

@@ -6,7 +6,7 @@
         [--model Llama-2-7B [--model SERVED=NAME ...] --gpu A100-80GB
          | --calibration calibration.json]
         [--set max_num_seqs=64,128,256 --set policy=static,combined --set max_replicas=8 ...]
-        [--trials 40] [--workers 2 | --ray [ADDRESS]] [--out reports/tune] [--json]
+        [--trials 40] [--workers 2 | --ray [ADDRESS]] [--apply URL] [--out reports/tune] [--json]
 
 The trace is JSONL (`arrival_s`, `prompt_len`, `output_len` per line: cluster/trace_file.py), a
 named generator, or what a running app recorded of its own traffic (GET /v1/cluster/trace,
@@ -19,7 +19,9 @@ the grid is larger). SLOs: per-request objectives (ttft, itl, e2e, in seconds) t
 `--attainment` of requests must meet, and percentiles (ttft_p99, ...) that must not exceed
 their value. Knobs: cluster/tune_space.Setting (one value fixes a knob). Prints the Pareto
 front of replica-hours against attainment, writes the cheapest setting that meets the target as
-deploy.yaml `args:` (tuned.yaml), report.md, front.png and replicas.png under --out.
+deploy.yaml `args:` (tuned.yaml), report.md, front.png and replicas.png under --out;
+`--apply URL` applies it to the running app at URL without a redeploy (POST
+/v1/cluster/settings: the batching and autoscaling knobs that change live).
 Trials run in --workers local processes, or with --ray as Ray tasks across a cluster (ADDRESS,
 else the cluster RAY_ADDRESS or `ray start` names, else a new local one; cluster/tune/ray_pool.py):
 the same trials either way for the same --seed and --trials. Ctrl-C stops the search and
@@ -35,9 +37,6 @@ import os
 import re
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ import yaml
 
 from cluster.request_records import Slo
 from cluster.trace_file import TraceError, load_trace
+from cluster.tune.app_client import apply_settings, fetch_trace
 from cluster.tune.problem import Problem
 from cluster.tune.report import PERCENTILES, Target, cheapest, write
 from cluster.tune.search import plan, search
@@ -116,25 +116,6 @@ def by_model(trace: list[SimRequest]) -> dict[str | None, list[SimRequest]]:
     return dict(sorted(groups.items(), key=lambda kv: kv[0] or ""))
 
 
-def fetch_trace(url: str, since: str, api_key: str | None, out: Path) -> Path:
-    """The app's recorded traffic since `since` (GET /v1/cluster/trace), saved as
-    `out`/trace.jsonl; raises ValueError with the app's answer when it refuses."""
-    query = urllib.parse.urlencode({"since": since})
-    request = urllib.request.Request(f"{url.rstrip('/')}/v1/cluster/trace?{query}")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:
-        raise ValueError(f"--from-url: {exc.code} {exc.read().decode(errors='replace')}") from None
-    except urllib.error.URLError as exc:
-        raise ValueError(f"--from-url {url}: {exc.reason}") from None
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trace.jsonl").write_bytes(body)
-    return out / "trace.jsonl"
-
-
 def _pool(opts):
     """Where the trials run: Ray tasks (--ray) or local processes (--workers)."""
     if opts.ray is None:
@@ -160,7 +141,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("DYNABATCH_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-        help="--from-url: the app's API key (default: $DYNABATCH_API_KEY, $OPENAI_API_KEY)",
+        help="--from-url, --apply: the app's API key (default: $DYNABATCH_API_KEY, "
+        "$OPENAI_API_KEY)",
+    )
+    parser.add_argument(
+        "--apply",
+        metavar="URL",
+        help="apply the chosen setting to the app at URL live (POST /v1/cluster/settings)",
     )
     parser.add_argument("--rate", type=float, default=20.0, help="--workload: requests/s")
     parser.add_argument("--duration", type=float, default=1800.0, help="--workload: seconds")
@@ -232,9 +219,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "worker or node was lost",
                 file=sys.stderr,
             )
+    if opts.apply:
+        result["applied"] = _apply(opts.apply, opts.api_key, result)
     if opts.json:
         print(json.dumps(result, default=str))
     return result
+
+
+def _apply(url: str, api_key: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """Each chosen setting applied to the app at `url`: per model, the settings now in force
+    or why the app refused them."""
+    chosen = result.get("models", {None: result})
+    applied: dict[str, Any] = {}
+    for who, found in chosen.items():
+        label = who or "the app"
+        if found.get("chosen") is None:
+            print(f"--apply: nothing to apply for {label} (no setting met the target)")
+            continue
+        args = Setting(**found["chosen"]["setting"]).deploy_args()
+        try:
+            in_force = apply_settings(url, args, api_key, who)
+        except ValueError as exc:
+            print(f"--apply: {label} refused: {exc}", file=sys.stderr)
+            applied[str(who)] = {"error": str(exc)}
+            continue
+        print(f"--apply: {label} now runs settings version {in_force['version']} at {url}")
+        applied[str(who)] = in_force
+    return applied
 
 
 def _tune(

@@ -10,6 +10,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from cluster.controller import ClusterController
+from cluster.live_settings import fingerprint
 from serve_app.config import AppArgs, AutoscalingArgs
 from serve_app.deploy.cpu_share import RayCpus, engine_cpus, engine_replicas_that_fit
 from serve_app.ingress.deployment import OpenAIIngress
@@ -63,8 +64,11 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             controller = ClusterController.options(
                 name=deployment_name(ClusterController.name, named), ray_actor_options=control
             ).bind(
-                model_args.batching.factory(model_args.engine.max_num_seqs),
+                model_args.batching.model_dump(),
+                model_args.engine.max_num_seqs,
                 model_args.controller.stale_after_s,
+                deployment_name(EngineServer.name, named),
+                fingerprint(model_args.model_dump()),
             )
         lora_board = None
         if model_args.engine.lora.enabled:  # the adapters served, for every ingress replica
@@ -132,9 +136,10 @@ def _engine(
     scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
     if app_args.autoscaling is not None:
         fit = engine_replicas_that_fit(app_args, engine_share, cpus, num_models)
+        deployed = fingerprint(app_args.model_dump())
         scaling = {
             "num_replicas": "auto",
-            "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit),
+            "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit, deployed),
         }
         # The replica reads its metrics push period from the environment at import.
         engine_env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(
@@ -177,11 +182,14 @@ def _engine_placement(app_args: AppArgs, num_cpus: float) -> tuple[dict[str, Any
     return share, {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
 
 
-def _autoscaling_config(scaling: AutoscalingArgs, fit: int | None = None) -> dict[str, Any]:
+def _autoscaling_config(
+    scaling: AutoscalingArgs, fit: int | None = None, deployed: str = ""
+) -> dict[str, Any]:
     """Serve's autoscaling_config: our rule decides; Serve's own delays and factors are
     neutral so the rule behaves as in the simulator. `fit`: the engine replicas the cluster's
     CPUs hold (None: no bound); the replica counts stop there, not at a replica Ray could
-    never place."""
+    never place. `deployed`: the fingerprint of the model's args, whose applied settings
+    the rule takes (cluster/live_settings.py)."""
     most = scaling.max_replicas
     if fit is not None and fit < most:
         logger.warning(
@@ -204,6 +212,6 @@ def _autoscaling_config(scaling: AutoscalingArgs, fit: int | None = None) -> dic
         "look_back_period_s": scaling.look_back_period_s,
         "policy": {
             "policy_function": "cluster.autoscale:QueueDepthAutoscaler",
-            "policy_kwargs": scaling.rule_config(),
+            "policy_kwargs": scaling.rule_config() | {"deployed": deployed},
         },
     }

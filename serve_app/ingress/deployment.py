@@ -5,7 +5,8 @@ to the model its `model` names (serve_app/ingress/served_models.py), through the
 every request takes (serve_app/openai/request_path.py): bodies validated (400 names the
 field), the chat template applied, tokenized, streamed from an engine replica through a
 DeploymentHandle. Engine replicas that are full make it answer 429 with Retry-After; a client
-that goes away cancels the engine request."""
+that goes away cancels the engine request. Batching and autoscaling settings change live
+through /v1/cluster/settings (serve_app/ingress/settings_routes.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from serve_app.ingress.edge_routes import EdgeState, install_edge
 from serve_app.ingress.lora_routes import router as lora_router
 from serve_app.ingress.ops_routes import OpsState
 from serve_app.ingress.served_models import ServedModel, ServedModels
+from serve_app.ingress.settings_routes import ModelSettings
+from serve_app.ingress.settings_routes import router as settings_router
 from serve_app.observability import replica_logs, tracing
 from serve_app.observability.telemetry import IngressMetrics
 from serve_app.observability.trace_recorder import TraceRecorder
@@ -33,7 +36,7 @@ from serve_app.openai.responses.routes import router as responses_router
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
 install_edge(app)
-for router in (responses_router, embeddings_router, lora_router):
+for router in (responses_router, embeddings_router, lora_router, settings_router):
     app.include_router(router)
 
 
@@ -90,6 +93,13 @@ class OpenAIIngress:
             first.controller.report_timeout_s,
             recorder,
         )
+        app_name = context.app_name if context else ""
+        app.state.settings = [
+            ModelSettings.of(model.name, args, dump, app_name, engine, controller)
+            for model, args, dump, engine, controller in zip(
+                served, declared, models, engines, controllers, strict=True
+            )
+        ]
         # What the routes beside generation read (serve_app/ingress/edge_routes.py).
         app.state.edge = EdgeState(first.api, self.models, first.api.keys())
 

@@ -111,3 +111,18 @@ def test_a_fresh_controller_goes_on_from_each_replicas_current_limit():
     # A static policy stays at its configured value whatever the replica reports.
     static = ClusterControl(partial(make_policy, "static", 32, None, None))
     assert static.report(report("b", None, max_num_seqs=48), now=0.0).limits.max_num_seqs == 32
+
+
+def test_retuned_settings_reach_every_replica_at_its_next_report():
+    """Settings applied to a running app: a new policy (a fresh one per replica, from the new
+    start value) and token budget, with no replica's report lost."""
+    control = ClusterControl(partial(make_policy, "sla", 32, None, SLA))
+    for rid in ("a", "b"):
+        control.report(report(rid, DecodeWindow(10, 0.02, 32), num_decoding=2), now=0.0)
+    control.retune(partial(make_policy, "static", 12), max_num_batched_tokens=512)
+    for rid in ("a", "b"):
+        decision = control.report(report(rid, DecodeWindow(10, 0.02, 32)), now=1.0)
+        assert (decision.limits.max_num_seqs, decision.limits.max_num_batched_tokens) == (12, 512)
+        assert control.replicas[rid].num_reports == 2
+    # A replica that joins later gets them too.
+    assert control.report(report("c"), now=1.0).limits.max_num_seqs == 12

@@ -158,6 +158,82 @@ def test_burst_scales_up_then_back_down_without_failures(scaling_app):
     print(f"scaled up {scaled_up_after:.1f} s into the burst, down {scaled_down_after:.1f} s after")
 
 
+def test_settings_applied_live_change_no_stream_and_restart_nothing(scaling_app):
+    """POST /v1/cluster/settings while 16 greedy streams run: static batching at 3, a token
+    budget of 256, and at least 2 replicas. The streams end as an undisturbed run's; the
+    controller runs the new policy on every replica, the autoscaling rule brings the second
+    replica, no replica restarts; a knob that needs a restart is a 400 naming it."""
+    import asyncio
+    import threading
+
+    from cluster.tune.app_client import apply_settings
+    from tests.chaos.conftest import differences, run_all, run_with_fault
+
+    url = f"{scaling_app}/v1/cluster/settings"
+    wait_for(lambda: running_engines("scaling") == 1, 60, "one replica")
+    before = httpx.get(url, timeout=10).json()
+    assert before["source"] == "deploy.yaml" and before["version"] == 0, before
+    assert before["batching"]["policy"] == "sla" and before["engine"]["max_num_seqs"] == 2
+    replicas_before = set(engine_replica_ids("scaling"))
+    expected = asyncio.run(run_all(f"{scaling_app}/v1"))
+    fragment = {
+        "batching": {"policy": "static"},
+        "engine": {"max_num_seqs": 3, "max_num_batched_tokens": 256},
+        "autoscaling": {"min_replicas": 2, "target_waiting": 3},
+    }
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        answers.append(httpx.post(url, json=fragment, timeout=30))
+
+    poster = threading.Thread(target=post)
+    texts = asyncio.run(run_with_fault(f"{scaling_app}/v1", poster.start))
+    poster.join()
+    assert texts == expected, differences(texts, expected)
+    applied = answers[0].json()
+    assert answers[0].status_code == 200 and applied["controller_confirmed"], applied
+    assert applied["version"] == 1 and applied["source"] == "applied"
+    assert (
+        applied["autoscaling"]["min_replicas"] == 2 and applied["autoscaling"]["max_replicas"] == 2
+    )
+    assert httpx.get(url, timeout=10).json() == {
+        k: v for k, v in applied.items() if k != "controller_confirmed"
+    }
+    view = cluster_view(scaling_app)
+    assert view["policy"] == "static" and view["settings_version"] == 1
+    wait_for(lambda: running_engines("scaling") == 2, 60, "the second replica min_replicas asks")
+    applied_limits = {"max_num_seqs": 3, "max_num_batched_tokens": 256}
+
+    def both_at_applied_limits() -> bool:
+        rows = cluster_view(scaling_app)["replicas"]
+        return len(rows) == 2 and all(r["limits"] == applied_limits for r in rows)
+
+    wait_for(both_at_applied_limits, 20, "both replicas at the applied limits")
+    assert replicas_before <= set(engine_replica_ids("scaling")), "a replica restarted"
+    refused = httpx.post(url, json={"engine": {"max_model_len": 1024}}, timeout=10)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "engine.max_model_len"
+    assert httpx.get(url, timeout=10).json()["version"] == 1
+    # Back as deployed, as `cluster.tune --apply` posts tuned.yaml's args (initial_replicas,
+    # which means something only at a start, left out).
+    back = {k: before[k] for k in ("batching", "engine", "autoscaling")}
+    back["autoscaling"] = back["autoscaling"] | {"initial_replicas": 1}
+    with pytest.raises(ValueError, match="400 .*engine.max_model_len"):
+        apply_settings(scaling_app, {"engine": {"max_model_len": 1024}}, None)
+    reverted = apply_settings(scaling_app, back, None)
+    assert reverted["version"] == 2 and reverted["batching"] == before["batching"], reverted
+    assert cluster_view(scaling_app)["policy"] == "sla"
+
+
+def engine_replica_ids(app: str) -> list[str]:
+    """The Ray actor names of the app's live engine replicas."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#EngineServer#"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)]  # fmt: skip
+
+
 def _controller_name(app: str) -> str | None:
     """The Ray actor name of the app's live controller replica (None while there is none)."""
     import ray
