@@ -11,17 +11,25 @@ graceful shutdown does). Replica-hours count every replica from its start to its
 With `controller_interval_s` set, the batching policy runs where the deployed app runs it:
 in a ClusterControl fed a report from every replica each period (cluster/control.py), and
 arrivals are routed by load over the controller's routing weights, as LoadAwareRouter does.
+
+With a Retuner (self-tuning: cluster/tune/auto_tuner.py), every `period_s` it sees the
+requests that arrived in its last `window_s` and the records of those that arrived in the
+last period, and may answer new settings: the controller runs them from its next round (as
+the deployed controller does with settings applied live) and the autoscaling rule takes
+its new config at once.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
-from cluster.batching import DecodeWindow, make_policy
+from cluster.batching import AnyPolicy, DecodeWindow, make_policy
 from cluster.control import ClusterControl, ReplicaStats, weighted_load
 from cluster.request_records import RequestRecord, summarize_records
 from cluster.sim_config import SimConfig
@@ -47,6 +55,27 @@ class ClusterSimConfig:
     def __post_init__(self) -> None:
         if self.initial_replicas < 1 or self.startup_delay_s < 0 or self.decision_interval_s <= 0:
             raise ValueError("need initial_replicas >= 1, startup_delay_s >= 0, interval > 0")
+
+
+@dataclass(frozen=True)
+class Retune:
+    """New settings for a running fleet: its batching policy, token budget, scaling rule."""
+
+    make_policy: Callable[[], AnyPolicy]
+    max_num_batched_tokens: int
+    autoscale: AutoscaleConfig | None
+
+
+class Retuner(Protocol):
+    period_s: float
+    window_s: float
+
+    def retune(
+        self, now: float, window: list[SimRequest], measured: list[RequestRecord]
+    ) -> Retune | None:
+        """Called every period_s: `window` the requests that arrived in [now - window_s,
+        now), `measured` the records of those that arrived in [now - period_s, now)."""
+        ...
 
 
 @dataclass
@@ -110,11 +139,17 @@ class ClusterSimulator:
     def __init__(self, config: ClusterSimConfig) -> None:
         self.config = config
 
-    def run(self, trace: list[SimRequest], max_sim_s: float = math.inf) -> ClusterSimResult:
+    def run(
+        self, trace: list[SimRequest], max_sim_s: float = math.inf, retuner: Retuner | None = None
+    ) -> ClusterSimResult:
+        if retuner is not None and self.config.controller_interval_s is None:
+            raise ValueError("a retuner needs controller_interval_s (it retunes the controller)")
         with gc_paused():
-            return self._run(trace, max_sim_s)
+            return self._run(trace, max_sim_s, retuner)
 
-    def _run(self, trace: list[SimRequest], max_sim_s: float) -> ClusterSimResult:
+    def _run(
+        self, trace: list[SimRequest], max_sim_s: float, retuner: Retuner | None
+    ) -> ClusterSimResult:
         c = self.config
         records: dict[str, RequestRecord] = {}
         controlled = c.controller_interval_s is not None
@@ -136,7 +171,10 @@ class ClusterSimulator:
             else None
         )
         next_control = 0.0
-        pending = deque(sorted(trace, key=lambda r: r.arrival_s))
+        ordered = sorted(trace, key=lambda r: r.arrival_s)
+        pending = deque(ordered)
+        arrivals = [r.arrival_s for r in ordered]
+        next_tune = retuner.period_s if retuner is not None else math.inf
         series: list[tuple[float, int, int, int]] = []
         events: list[tuple[float, int, int]] = []
         next_tick = 0.0
@@ -161,10 +199,10 @@ class ClusterSimulator:
             t_step = stepper.replica.clock.now() if stepper is not None else math.inf
             t_tick = next_tick if rule is not None else math.inf
             t_control = next_control if control is not None else math.inf
-            t = min(t_arrival, t_tick, t_step, t_control)
+            t = min(t_arrival, t_tick, t_step, t_control, next_tune)
             if t > max_sim_s:
                 break
-            if t_arrival <= min(t_tick, t_step, t_control):
+            if t_arrival <= min(t_tick, t_step, t_control, next_tune):
                 req = pending.popleft()
                 candidates = [m for m in live if m.ready(t) and not m.draining]
                 target = min(
@@ -172,6 +210,18 @@ class ClusterSimulator:
                     key=lambda m: weighted_load(m.replica.num_requests, m.routing_weight),
                 )
                 target.replica.add(req)
+            elif next_tune <= min(t_tick, t_step, t_control):
+                assert retuner is not None and control is not None
+                next_tune += retuner.period_s
+                start = bisect_left(arrivals, t - retuner.window_s)
+                window = ordered[start : bisect_left(arrivals, t)]
+                since = t - retuner.period_s
+                measured = [rec for rec in records.values() if since <= rec.arrival_s < t]
+                retune = retuner.retune(t, window, measured)
+                if retune is not None:
+                    control.retune(retune.make_policy, retune.max_num_batched_tokens)
+                    if rule is not None and retune.autoscale is not None:
+                        rule.config = retune.autoscale
             elif t_control <= min(t_tick, t_step):
                 assert control is not None and c.controller_interval_s is not None
                 next_control += c.controller_interval_s
@@ -185,7 +235,7 @@ class ClusterSimulator:
             else:
                 assert stepper is not None
                 # Its steps before the next event that could change its batch, in one go.
-                until = min(t_arrival, t_tick, t_control, after(max_sim_s))
+                until = min(t_arrival, t_tick, t_control, next_tune, after(max_sim_s))
                 stepper.replica.advance(until)
                 if stepper.draining and not stepper.replica.busy:
                     stepper.stopped_s = stepper.replica.clock.now()

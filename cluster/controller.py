@@ -11,7 +11,8 @@ One call per period, started by the replica, so:
 
 Settings applied to the running app (POST /v1/cluster/settings: its policy, limits and
 token budget) it reads from the model's record (cluster/live_settings.py) when it starts and
-about every SETTINGS_CHECK_S after, so a restart keeps them.
+about every SETTINGS_CHECK_S after, so a restart keeps them. With deploy.yaml `tuning.auto`
+it also runs the model's self-tuning (cluster/tuning_loop.py), which writes that record.
 
 It is a Serve deployment with one replica rather than a bare named actor: Serve gives it a
 name inside the app, restarts it when it dies (health-checked, like `max_restarts` plus
@@ -21,6 +22,7 @@ non-detached one made by a replica would die with that replica on scale-down.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Any
@@ -30,6 +32,7 @@ from ray import serve
 from cluster import live_settings
 from cluster.batching import policy_factory
 from cluster.control import ClusterControl, ControlDecision, ReplicaStats
+from cluster.tuning_loop import TuningLoop
 
 DEPLOYMENT_NAME = "ClusterController"
 SETTINGS_CHECK_S = 1.0  # how often it looks for settings applied to the running app
@@ -44,10 +47,13 @@ class ClusterController:
         stale_after_s: float,
         engine_deployment: str,
         deployed: str,
+        tuning: dict[str, Any] | None = None,
+        traffic_trace: Any = None,
     ) -> None:
         """`batching`: deploy.yaml's `batching:` as deployed; `engine_deployment`: the name
         of the deployment whose replicas report here; `deployed`: the fingerprint of the
-        model's args (cluster/live_settings.py)."""
+        model's args (cluster/live_settings.py); `tuning`: self-tuning's plan
+        (serve_app.tuning_args.tuning_plan; None: off), run on `traffic_trace`'s rows."""
         self.control = ClusterControl(
             policy_factory(batching, max_num_seqs), stale_after_s=stale_after_s
         )
@@ -58,6 +64,10 @@ class ClusterController:
         self.deployed = deployed
         self.checked_at = -math.inf
         self._take_settings(time.monotonic())
+        self.tuning = None
+        if tuning is not None and traffic_trace is not None:
+            self.tuning = TuningLoop(tuning, traffic_trace, self.record_key)
+            self._tuning_task = asyncio.get_running_loop().create_task(self.tuning.run())
 
     def _take_settings(self, now: float) -> None:
         """Run every replica under the model's applied settings, if newer than those in
@@ -83,4 +93,10 @@ class ClusterController:
         view = self.control.view(now)
         view["controller_uptime_s"] = round(time.time() - self.started_at, 3)
         view["policy"], view["settings_version"] = self.policy, self.version
+        if self.tuning is not None:
+            view["tuning"] = self.tuning.view()
         return view
+
+    async def tuning_view(self) -> dict[str, Any] | None:
+        """Self-tuning's counts and setting (None: off)."""
+        return self.tuning.view() if self.tuning is not None else None

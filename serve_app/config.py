@@ -10,6 +10,7 @@ from serve_app.engine_args import EngineArgs
 from serve_app.ingress.api_policy import ApiArgs
 from serve_app.observability.tracing import TracingArgs
 from serve_app.replica.health import HealthArgs
+from serve_app.tuning_args import TuningArgs, tuning_plan
 
 
 class _Strict(BaseModel):
@@ -305,6 +306,10 @@ class AppArgs(_Strict):
     trace: TrafficTraceArgs = Field(
         default_factory=TrafficTraceArgs, description="The record of the app's traffic."
     )
+    tuning: TuningArgs = Field(
+        default_factory=TuningArgs,
+        description="Self-tuning on the recorded traffic (off unless `auto`).",
+    )
     autoscaling: AutoscalingArgs | None = Field(
         None, description="Scale engine replicas on queue depth. Null: engine_replicas is fixed."
     )
@@ -341,6 +346,10 @@ class AppArgs(_Strict):
         except ValueError as exc:
             raise ValueError(f"batching: {exc}") from None
         self.emulated_label()  # a misspelt model or GPU fails the deploy, not the replicas
+        if self.tuning.auto:
+            if not self.trace.enabled or not self.controller.enabled:
+                raise ValueError("tuning.auto: needs trace.enabled and controller.enabled")
+            tuning_plan(self, "")  # a knob or value it cannot tune fails the deploy
         scaling = self.autoscaling
         if scaling is not None:
             from cluster.autoscale import AutoscaleConfig

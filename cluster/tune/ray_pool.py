@@ -68,10 +68,6 @@ class RayPool:
         self._sent: tuple[Problem, ray.ObjectRef] | None = None  # the problem in the store
         self._pending: dict[ray.ObjectRef, int] = {}
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
     def run(self, problem: Problem, jobs: list[Job]) -> Iterator[tuple[int, dict[str, Any]]]:
         if self._sent is None or self._sent[0] is not problem:
             self._sent = (problem, ray.put(problem))

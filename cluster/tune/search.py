@@ -86,23 +86,25 @@ def search(
     problem: Problem,
     space: Space,
     trials: int,
-    results: Path,
+    results: Path | None,
     pool: TrialPool | None = None,
     seed: int = 0,
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
     """Spend a budget of `trials` whole-trace runs in `pool` (None: this process); returns
     the whole-trace trials and whether the search ran to its end (False: interrupted). Each
-    is appended to `results` as it lands; `progress` sees every run as it lands, a share of
-    the trace's too (`fraction`). The pool stays open: its owner closes it."""
+    is appended to `results` as it lands (None: none kept but those returned); `progress`
+    sees every run as it lands, a share of the trace's too (`fraction`). The pool stays
+    open: its owner closes it."""
     pool = pool if pool is not None else LocalPool(1)
     rng = random.Random(seed)
     done: list[dict[str, Any]] = []
     landing: list[tuple[int, dict[str, Any]]] = []  # the round in flight, as it lands
     seen: set[tuple[int, ...]] = set()
     point_of: dict[str, tuple[int, ...]] = {}
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text("")
+    if results is not None:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text("")
 
     def run(points: list[tuple[int, ...]], fraction: float) -> list[dict[str, Any]]:
         seen.update(points)
@@ -111,7 +113,7 @@ def search(
         landing.clear()
         for index, trial in pool.run(problem, [(st, fraction) for st in settings]):
             landing.append((index, trial))
-            if fraction == 1.0:
+            if fraction == 1.0 and results is not None:
                 with results.open("a") as f:
                     f.write(json.dumps(trial) + "\n")
             if progress is not None:

@@ -165,13 +165,14 @@ def parse_knob(text: str) -> tuple[str, list[Any]]:
 
 @dataclass(frozen=True)
 class Space:
-    """Each knob's values in order (one value: fixed; the rest of Setting: its default)."""
+    """Each knob's values in order (one value: fixed; the rest of Setting: `base`'s)."""
 
     values: dict[str, tuple[Any, ...]]
+    base: Setting = Setting()
 
     @classmethod
-    def of(cls, knobs: dict[str, list[Any]]) -> Space:
-        return cls({k: tuple(v) for k, v in knobs.items()})
+    def of(cls, knobs: dict[str, list[Any]], base: Setting | None = None) -> Space:
+        return cls({k: tuple(v) for k, v in knobs.items()}, base or Setting())
 
     @property
     def size(self) -> int:
@@ -183,7 +184,7 @@ class Space:
     def setting(self, point: tuple[int, ...]) -> Setting:
         """The Setting at a point (one index per knob)."""
         chosen = {k: v[i] for (k, v), i in zip(self.values.items(), point, strict=True)}
-        return replace(Setting(), **chosen)
+        return replace(self.base, **chosen)
 
     def points(self) -> list[tuple[int, ...]]:
         return list(itertools.product(*(range(len(v)) for v in self.values.values())))

@@ -19,6 +19,7 @@ from serve_app.observability.traffic_trace import TrafficTrace
 from serve_app.openai.responses.store import ResponseStore
 from serve_app.replica.engine_server import EngineServer
 from serve_app.replica.lora_board import LoRABoard
+from serve_app.tuning_args import tuning_plan
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         named = model_args.model_name if len(models) > 1 else None
         controller = None
         if model_args.controller.enabled:
+            deployed = fingerprint(model_args.model_dump())
+            tuning = tuning_plan(model_args, deployed) if model_args.tuning.auto else None
             controller = ClusterController.options(
                 name=deployment_name(ClusterController.name, named), ray_actor_options=control
             ).bind(
@@ -68,7 +71,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 model_args.engine.max_num_seqs,
                 model_args.controller.stale_after_s,
                 deployment_name(EngineServer.name, named),
-                fingerprint(model_args.model_dump()),
+                deployed,
+                tuning,
+                trace,
             )
         lora_board = None
         if model_args.engine.lora.enabled:  # the adapters served, for every ingress replica

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.ingress.served_models import ServedModel, ServedModels
+from serve_app.observability import tuning_metrics
 from serve_app.observability.telemetry import IngressMetrics
 from serve_app.observability.trace_recorder import TraceRecorder
 from serve_app.observability.traffic_trace import parse_instant, trace_lines
@@ -70,6 +71,16 @@ async def metrics(ops: OpsState) -> Response:
             body += await asyncio.wait_for(ops.metrics_board.render.remote(), ops.report_timeout_s)
         except Exception as exc:  # an engine replica restarting: the ingress's own only
             logger.warning("engine metrics unavailable: %r", exc)
+    views = {}
+    for served in ops.models.all:
+        if served.controller is None or not served.args.tuning.auto:
+            continue
+        try:
+            call = served.controller.tuning_view.remote()
+            views[served.name] = await asyncio.wait_for(call, ops.report_timeout_s)
+        except Exception as exc:  # restarting: its figures come back with it
+            logger.warning("self-tuning figures of %s unavailable: %r", served.name, exc)
+    body += tuning_metrics.render({k: v for k, v in views.items() if v is not None})
     return Response(body, media_type=ops.metrics.content_type)
 
 

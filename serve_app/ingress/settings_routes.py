@@ -136,7 +136,9 @@ class ModelSettings:
         if current.autoscaling is not None:
             now["autoscaling"] = current.autoscaling
         try:
-            args = AppArgs.model_validate(merged(merged(deployed.model_dump(), now), fragment))
+            # (self-tuning's grid was checked at deploy: not the fragment's to answer for)
+            amended = merged(merged(deployed.model_dump(), now), fragment)
+            args = AppArgs.model_validate(merged(amended, {"tuning": {"auto": False}}))
         except ValueError as exc:
             text = first_error(exc)
             raise OpenAIError(400, text, param=_named(text, fragment)) from None

@@ -47,11 +47,24 @@ def _cli(address: str, trace: Path, out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
 
 
+def _started_by(node) -> list[psutil.Process]:
+    """The processes the node's raylet started (its workers among them)."""
+    return psutil.Process(node.all_processes["raylet"][0].process.pid).children(recursive=True)
+
+
+def _running_a_trial(node) -> bool:
+    """Whether a worker of the node runs a trial now (a Ray worker's title names its task)."""
+    for process in _started_by(node):
+        with contextlib.suppress(psutil.Error):
+            if any("_trial" in part for part in process.cmdline()):
+                return True
+    return False
+
+
 def _lose(cluster, node) -> None:
     """The node gone as a machine goes: its raylet and every process it started (a worker
     cut off from its raylet would otherwise finish the trial it runs)."""
-    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-    started = raylet.children(recursive=True)
+    started = _started_by(node)
     cluster.remove_node(node, allow_graceful=False)
     for process in started:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -59,7 +72,7 @@ def _lose(cluster, node) -> None:
 
 
 def tune_across(cluster, out: Path) -> dict[str, Any]:
-    trace = make_workload(1500, 6.0, seed=5)
+    trace = make_workload(3000, 6.0, seed=5)
     save_trace(trace, out / "trace.jsonl")
     problem = Problem(
         trace, MODELS["Llama-2-7B"], GPUS["A100-80GB"], CostParams(), Slo(ttft_s=2.0, itl_s=0.1)
@@ -73,7 +86,8 @@ def tune_across(cluster, out: Path) -> dict[str, Any]:
     with RayPool() as pool:
 
         def remove_once_it_ran_a_trial(trial: dict[str, Any]) -> None:
-            if not removed and pool.nodes[victim.node_id] and pool.in_flight > 2:
+            # Once it has landed a trial and while it runs another: that one is lost with it.
+            if not removed and pool.nodes[victim.node_id] and _running_a_trial(victim):
                 _lose(cluster, victim)
                 removed.append(pool.nodes[victim.node_id])
 

@@ -60,18 +60,19 @@ def test_client_disconnect_aborts_and_frees_blocks(serve_cluster):
 
 
 def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
-    """The narrow replica holds 4 (2 running + 2 queued); 12 at once must see 429s."""
-    url = f"{serve_cluster.v1('narrow')}/completions"
+    """The narrow replica holds 4 (2 running + 2 queued); 12 at once must see 429s. The last
+    three go to the Responses API, which turns them away alike."""
+    url = serve_cluster.v1("narrow")
+    responses = range(9, 12)
 
     async def one(http: httpx.AsyncClient, i: int) -> tuple[int, dict, dict]:
-        body = {
-            "model": "tiny",
-            "prompt": f"request {i}",
-            "max_tokens": 120,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        resp = await http.post(url, json=body)
+        body = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+        if i in responses:
+            body |= {"input": f"request {i}", "max_output_tokens": 120, "store": False}
+            resp = await http.post(f"{url}/responses", json=body)
+        else:
+            body |= {"prompt": f"request {i}", "max_tokens": 120}
+            resp = await http.post(f"{url}/completions", json=body)
         return resp.status_code, dict(resp.headers), resp.json()
 
     async def burst() -> list[tuple[int, dict, dict]]:
@@ -83,15 +84,17 @@ def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
     codes = [code for code, _, _ in results]
     assert set(codes) <= {200, 429}, codes
     assert codes.count(429) >= 1 and codes.count(200) >= 4, codes
-    for code, headers, body in results:
+    for i, (code, headers, body) in enumerate(results):
         if code == 429:
             assert headers.get("retry-after") == "2"
             assert body["error"]["type"] == "rate_limit_error"
+        elif i in responses:
+            assert body["usage"]["output_tokens"] == 120
         else:
             assert body["usage"]["completion_tokens"] == 120
     # The server kept serving: the next request is accepted and the replica ends idle.
     after = {"model": "tiny", "prompt": "after", "max_tokens": 3}
-    ok = httpx.post(url, json=after, timeout=60, headers=NARROW_AUTH)
+    ok = httpx.post(f"{url}/completions", json=after, timeout=60, headers=NARROW_AUTH)
     assert ok.status_code == 200
     stats = _wait_stats(serve_cluster, "narrow", 1, _idle)
     s = next(iter(stats.values()))
@@ -103,6 +106,9 @@ def test_overload_answers_429_and_accepted_requests_complete(serve_cluster):
     burst_rows = [row for row in rows if row["prompt_len"] > 1 and row["output_len"] == 120]
     assert sorted(row["rejected"] for row in burst_rows) == sorted(c == 429 for c in codes)
     assert all(row["finish_reason"] == "length" for row in burst_rows if not row["rejected"])
+    turned_away = [row for row in burst_rows if row["request_id"].startswith("resp")]
+    assert sum(row["rejected"] for row in turned_away) == [codes[i] for i in responses].count(429)
+    assert any(row["rejected"] for row in turned_away), codes  # the last three arrive last
 
 
 def test_prefix_affinity_keeps_a_prefix_on_one_replica(serve_cluster):

@@ -116,3 +116,29 @@ def test_a_record_round_trips_and_names_the_args_it_amends():
     assert LiveSettings.from_json(settings.to_json()) == settings
     other = dict(DEPLOYED, max_queued_requests=7)
     assert fingerprint(AppArgs.model_validate(other).model_dump()) != settings.deployed
+
+
+PRICED = {"replica_model": "Llama-2-7B", "replica_gpu": "A100-80GB"}
+
+
+@pytest.mark.parametrize(
+    ("tuning", "message"),
+    [
+        ({}, "tuning.replica_model: needed"),
+        (PRICED | {"space": {"replicas": [2]}}, "tuning.space.replicas: changes only with a"),
+        (PRICED | {"space": {"max_num_sequences": [2]}}, "tuning.space.max_num_sequences: one of"),
+        (PRICED | {"space": {"max_num_seqs": [64, 512]}}, "tuning.space.max_num_seqs: at most 128"),
+        (PRICED | {"space": {"max_replicas": [2, 8]}}, "within the deployed 1..4"),
+    ],
+)
+def test_self_tuning_is_refused_a_knob_or_value_it_could_not_apply(tuning, message):
+    with pytest.raises(ValueError, match=message):
+        AppArgs.model_validate(DEPLOYED | {"tuning": {"auto": True} | tuning})
+
+
+def test_self_tuning_needs_the_trace_and_the_controller():
+    tuning = {"auto": True} | PRICED
+    assert AppArgs.model_validate(DEPLOYED | {"tuning": tuning}).tuning.auto
+    for off in ({"trace": {"enabled": False}}, {"controller": {"enabled": False}}):
+        with pytest.raises(ValueError, match="tuning.auto: needs trace.enabled"):
+            AppArgs.model_validate(DEPLOYED | off | {"tuning": tuning})

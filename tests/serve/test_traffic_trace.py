@@ -17,6 +17,7 @@ import pytest
 from cluster.trace_file import load_trace
 from cluster.tune.cli import main as tune_main
 from serve_app.observability.traffic_trace import TrafficTrace, parse_instant, trace_lines
+from tests.local_serve import EMULATED, app_args
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,3 +116,100 @@ def test_the_trace_keeps_its_bounds_and_answers_in_arrival_order():
     for bad in ("yesterday", "-5", "5w", "nan"):
         with pytest.raises(ValueError):
             parse_instant(bad, 0.0)
+
+
+# An app of two ingress replicas and one emulated engine replica that runs one request at a
+# time (no CPU reserved: the session's are taken), tuning itself every 4 s on the last 30 s
+# of its traffic against a TTFT of 0.5 s: max_num_seqs 1 or 4.
+TWO_INGRESS = EMULATED | {
+    "engine": EMULATED["engine"] | {"max_num_seqs": 1},
+    "engine_replicas": {"num_replicas": 1, "num_cpus": 0},
+    "ingress_replicas": {"num_replicas": 2, "num_cpus": 0},
+    "trace": {"flush_s": 0.2},
+    "tuning": {
+        "auto": True,
+        "period_s": 4.0,
+        "window_s": 30.0,
+        "trials": 2,
+        "min_requests": 8,
+        "ttft_s": 0.5,
+        "space": {"max_num_seqs": [1, 4]},
+        "num_cpus": 0,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def two_ingress(serve_cluster):
+    from ray import serve
+
+    from serve_app import build_app
+
+    args = app_args(serve_cluster.model, **TWO_INGRESS)
+    serve.run(build_app(args), name="twoingress", route_prefix="/twoingress")
+    try:
+        yield f"{serve_cluster.base_url}/twoingress"
+    finally:
+        serve.delete("twoingress", _blocking=False)
+
+
+def test_two_ingress_replicas_rows_come_back_merged_in_arrival_order(serve_cluster, two_ingress):
+    """Requests of known lengths spread over both ingress replicas come back from either
+    one's /v1/cluster/trace, each with its lengths, in arrival order."""
+    from ray import serve
+
+    started = time.time()
+    client = openai.AsyncOpenAI(base_url=f"{two_ingress}/v1", api_key="unused", max_retries=0)
+    extra = {"ignore_eos": True}
+
+    async def one(i: int) -> tuple[str, int, int]:
+        prompt = [200 + j for j in range(3 + i)]
+        answer = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=2 + i, extra_body=extra
+        )
+        return answer.id, 3 + i, 2 + i
+
+    async def all_of_them() -> list[tuple[str, int, int]]:
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    sent = asyncio.run(all_of_them())
+    # Both ingress replicas sent requests: the engine replica holds a delta channel each.
+    handle = serve.get_deployment_handle("EngineServer", app_name="twoingress")
+    assert handle.stats.remote().result(timeout_s=10)["num_channels"] == 2
+    time.sleep(0.6)  # the other replica's last rows: within its flush period
+    rows = recorded(two_ingress, started)
+    assert [r["arrival_unix"] for r in rows] == sorted(r["arrival_unix"] for r in rows)
+    by_id = {row["request_id"]: row for row in rows}
+    for request_id, prompt_len, output_len in sent:
+        row = by_id[request_id]
+        assert (row["prompt_len"], row["output_len"]) == (prompt_len, output_len), row
+
+
+def test_the_app_tunes_itself_on_its_recorded_traffic(two_ingress):
+    """deploy.yaml `tuning.auto`: the 16 requests above, one at a time, missed the TTFT
+    objective; within a few periods the controller's tuner applies max_num_seqs 4, which
+    the simulator predicts meets it, and /metrics counts the change."""
+    url = f"{two_ingress}/v1/cluster/settings"
+
+    def applied() -> dict | None:
+        shown = httpx.get(url, timeout=10).json()
+        return shown if shown["source"] == "applied" else None
+
+    deadline = time.monotonic() + 40
+    while (shown := applied()) is None and time.monotonic() < deadline:
+        time.sleep(1)
+    assert shown is not None, httpx.get(f"{two_ingress}/v1/cluster", timeout=10).json()
+    assert shown["engine"]["max_num_seqs"] == 4 and shown["version"] == 1, shown
+    view = httpx.get(f"{two_ingress}/v1/cluster", timeout=10).json()
+    change = view["tuning"]["last_change"]
+    assert change["kind"] == "apply" and "misses the target" in change["reason"], change
+    metrics = httpx.get(f"{two_ingress}/metrics", timeout=10).text
+    counted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("dynabatch:tuning_applied_total{") and 'kind="apply"' in line
+    ]
+    assert len(counted) == 1 and counted[0].endswith(" 1.0"), (counted, view["tuning"])
+    assert 'model_name="tiny"' in counted[0]
+    info = [line for line in metrics.splitlines() if line.startswith("dynabatch:tuning_setting")]
+    assert len(info) == 1 and 'max_num_seqs="4"' in info[0] and 'version="1"' in info[0], info

@@ -69,7 +69,7 @@ class ResponsesService:
         path = self.path
         with contextlib.ExitStack() as scope:
             span = scope.enter_context(path.span(ENDPOINT_PATH, body.model, body.stream))
-            headers = {}
+            headers, prep = {}, None
             try:
                 headers = path.ignored_header(body)
                 turn = await self._prepare(body)
@@ -79,6 +79,8 @@ class ResponsesService:
                 choices = await path.client.start_choices(prep, 1, span.carrier(), body.priority)
             except OpenAIError as exc:
                 path.metrics.answered(ENDPOINT, exc.status)
+                if prep is not None and exc.status in (429, 503):
+                    path.record_rejected(prep)
                 return exc.response()
             record = partial(path.record, prep, span, time.perf_counter() - prep.started)
             if body.stream:
