@@ -98,9 +98,12 @@ class ModelSettings:
     def refused(self, fragment: dict[str, Any]) -> OpenAIError | None:
         """The 400 naming the first knob of `fragment` that cannot change live (None: all
         can, as far as their names go)."""
-        sections = {"engine": (EngineArgs, LIVE_ENGINE)}
-        sections["autoscaling"] = (AutoscalingArgs, LIVE_AUTOSCALING)
-        sections["batching"] = (None, ())
+        # Each section: its fields, those that change live (None: all), what the rest need.
+        sections = {
+            "engine": (EngineArgs, LIVE_ENGINE, "a restart of the engine replicas (a redeploy)"),
+            "autoscaling": (AutoscalingArgs, LIVE_AUTOSCALING, "a redeploy"),
+            "batching": (None, None, ""),
+        }
         for section, knobs in fragment.items():
             if section not in sections:
                 if section in AppArgs.model_fields:
@@ -108,13 +111,13 @@ class ModelSettings:
                 return OpenAIError(400, f"{section}: not a settings field", param=section)
             if not isinstance(knobs, dict):
                 return OpenAIError(400, f"{section}: must be an object", param=section)
-            model, live = sections[section]
-            for knob in knobs if model is not None else ():
+            model, live, needs = sections[section]
+            for knob in knobs if model is not None and live is not None else ():
                 name = f"{section}.{knob}"
                 if knob not in model.model_fields:
                     return OpenAIError(400, f"{name}: not a settings field", param=name)
                 if knob not in live:
-                    return _restart(name, "a restart of the engine replicas (a redeploy)")
+                    return _restart(name, needs)
         if "autoscaling" in fragment and self.declared.autoscaling is None:
             message = "autoscaling: this app runs a fixed count of engine replicas (a redeploy)"
             return OpenAIError(400, message, param="autoscaling")
