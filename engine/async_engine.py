@@ -20,9 +20,10 @@ from functools import partial
 from typing import TypeVar
 
 from engine.core.errors import InvalidParam
-from engine.core.outputs import RequestOutput, merge_queued
+from engine.core.outputs import RequestOutput
 from engine.core.request import Request, Resume
 from engine.core.sampling_params import SamplingParams
+from engine.core.sequence_kv import SequenceKV, SequenceMoved
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class AsyncLLMEngine:
         self._inbox = threading.Lock()
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
+        # Requests to move out (None: all), each with the future that counts those moved.
+        self._pending_moves: list[tuple[list[str] | None, asyncio.Future[int]]] = []
         self._work = threading.Event()  # set when the inbox has something
         self._closing = False
         self._parked = False  # the step loop returned idle; the next request starts it again
@@ -99,9 +102,10 @@ class AsyncLLMEngine:
             self._pending_adds.append(request)
         self._kick()
         finished = False
+        ending: BaseException | None = None  # read after deltas, raised once they are out
         try:
             while True:
-                item = merge_queued(await stream.get(), stream)
+                item, ending = (ending, None) if ending else _merged(await stream.get(), stream)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -116,6 +120,16 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         self._abort_soon(request_id)
+
+    async def move_out(self, request_ids: list[str] | None = None) -> int:
+        """End these requests here (every one held: None) between two steps, so that they go
+        on at another replica: each one's stream raises SequenceMoved with its KV after its
+        last delta. Returns how many moved."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        with self._inbox:
+            self._pending_moves.append((request_ids, done))
+        self._kick()
+        return await done
 
     def _abort_soon(self, request_id: str) -> None:
         with self._inbox:
@@ -138,7 +152,7 @@ class AsyncLLMEngine:
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until nothing is queued or running (for tests and graceful shutdown)."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests():
+        while self._has_pending() or self.engine.has_unfinished_requests():
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("engine did not become idle")
             await asyncio.sleep(0.01)
@@ -184,7 +198,7 @@ class AsyncLLMEngine:
             if not self.engine.has_unfinished_requests():
                 if not self._work.wait(_PARK_AFTER_IDLE_S):
                     with self._inbox:
-                        if not (self._pending_adds or self._pending_aborts):
+                        if not self._has_pending():
                             self._parked = True
                             return
                 continue
@@ -208,10 +222,14 @@ class AsyncLLMEngine:
             if self._closing or loop is None or loop.is_closed():
                 return  # a closed loop drops the callback that would have said so
 
+    def _has_pending(self) -> bool:
+        return bool(self._pending_adds or self._pending_aborts or self._pending_moves)
+
     def _apply_pending(self) -> None:
         with self._inbox:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
+            moves, self._pending_moves = self._pending_moves, []
         for request in adds:
             if request.request_id in aborts:
                 continue  # cancelled before it was ever queued
@@ -221,6 +239,18 @@ class AsyncLLMEngine:
                 self._post(self._fail, [request.request_id], exc)
         if aborts:
             self.engine.abort(aborts)
+        for request_ids, done in moves:
+            self._move(request_ids, done)
+
+    def _move(self, request_ids: list[str] | None, done: asyncio.Future[int]) -> None:
+        """Move requests out: the steps in flight are collected first, and their deltas
+        delivered before the streams end."""
+        settled = self.engine.settle()
+        if settled:
+            self._post(self._deliver, settled)
+        ids = list(self.engine.scheduler.requests) if request_ids is None else request_ids
+        moved = self.engine.move_out(ids)
+        self._post(self._moved, moved, done)
 
     def _post(self, callback: Callable[..., None], *args: object) -> bool:
         """`callback(*args)` on the event loop (from the step loop); False if it has closed."""
@@ -241,6 +271,14 @@ class AsyncLLMEngine:
         if self.lockstep:  # said after the consumers these outputs woke (queued before it)
             asyncio.get_running_loop().call_soon(self._consumed.set)
 
+    def _moved(self, moved: dict[str, SequenceKV | None], done: asyncio.Future[int]) -> None:
+        for request_id, kv in moved.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(SequenceMoved(request_id, kv))
+        if not done.done():
+            done.set_result(len(moved))
+
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:
             stream = self._streams.get(request_id)
@@ -249,6 +287,20 @@ class AsyncLLMEngine:
 
 
 _PARK_AFTER_IDLE_S = 1.0
+
+
+def _merged(
+    item: RequestOutput | BaseException, stream: asyncio.Queue[RequestOutput | BaseException]
+) -> tuple[RequestOutput | BaseException, BaseException | None]:
+    """`item` merged with the deltas queued behind it (a slow consumer gets them as one),
+    and the exception that ends the stream where one is queued after them: the deltas go
+    out first (a request moved out has its last tokens there)."""
+    while isinstance(item, RequestOutput) and not item.finished and not stream.empty():
+        later = stream.get_nowait()
+        if isinstance(later, BaseException):
+            return item, later
+        item = item.merge(later)
+    return item, None
 
 
 def _step_executor() -> ThreadPoolExecutor:

@@ -18,6 +18,7 @@ from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams, check_in_vocabulary
 from engine.core.sched.inspection import check_request
 from engine.core.sched.scheduler import Scheduler
+from engine.core.sequence_kv import SequenceKV
 from engine.grammar_bank import GrammarBank
 from engine.lora.registry import LoRARegistry
 from engine.model.stop_tokens import eos_token_ids
@@ -90,6 +91,9 @@ class LLMEngine:
         # Steps whose forward raised, since the last that ran: a replica's health reads it.
         self.num_failed_steps_in_a_row = 0
         self._num_generate_calls = 0  # generate() batches, for request ids
+        # Resumed requests that came with their KV: taken (and its tokens), or refused (their
+        # context computed again here).
+        self.num_kv_carried = self.num_kv_tokens_carried = self.num_kv_refused = 0
 
     @property
     def policy(self) -> BatchingPolicy | None:
@@ -148,6 +152,15 @@ class LLMEngine:
             request.resume_from(resume)
         return request
 
+    def _kv_refusal(self, request: Request) -> str | None:
+        """Why the KV a resumed request carries cannot stand for its context here, or None."""
+        kv = request.carried_kv
+        assert kv is not None
+        if not kv.fits(request.all_token_ids, self.config.cache.block_size):
+            return "it is not the KV of this request's tokens"
+        refusal = getattr(self.runner, "kv_refusal", None)
+        return "this engine cannot take KV" if refusal is None else refusal(kv)
+
     def add_request(
         self,
         request_id: str,
@@ -172,18 +185,57 @@ class LLMEngine:
         return self._grammars
 
     def add_prepared(self, request: Request) -> None:
+        if request.carried_kv is not None and (why := self._kv_refusal(request)):
+            logger.warning("%s: its KV is computed again here: %s", request.request_id, why)
+            request.carried_kv = None
+            self.num_kv_refused += 1
         structured = request.sampling_params.structured
         if structured is not None:
             done = request.resumed.output_token_ids if request.resumed else []
             self.grammar_bank().start(request.request_id, structured, done)
         self.scheduler.add_request(request)
         self.outputs.add(request)
+        if request.carried_kv is not None:
+            self.num_kv_carried += 1
+            self.num_kv_tokens_carried += request.carried_kv.num_tokens
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.abort_requests(ids)
         for rid in ids:
             self.outputs.drop(rid)
+
+    def settle(self) -> list[RequestOutput]:
+        """Collect the steps in flight without launching another; their deltas."""
+        results = []
+        while self.core.in_flight:
+            results.append(self.core.collect())
+        return [delta for result in results for delta in self._deltas(result)]
+
+    def move_out(self, request_ids: list[str]) -> dict[str, SequenceKV | None]:
+        """End requests here so that they go on at another replica (`Resume` with `kv`);
+        returns each one's KV: its computed tokens' blocks as plain data, or None where there
+        is nothing to export (not computed yet, swapped to the host, a runner that cannot).
+        Call it with no step in flight (`settle`)."""
+        assert not self.core.in_flight, "settle the steps in flight first"
+        export = getattr(self.runner, "export_kv", None)
+        kv_cache = self.scheduler.kv_cache
+        moved: dict[str, SequenceKV | None] = {}
+        for rid in request_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is None:
+                continue
+            # The last token is computed where it goes on: its logits give the next one.
+            n = min(request.num_computed_tokens, request.num_tokens - 1)
+            kv = None
+            if export is not None and n > 0 and request.status == RequestStatus.RUNNING:
+                blocks = kv_cache.block_ids(rid)[: kv_cache.blocks_needed(n)]
+                kv = export(blocks, request.all_token_ids[:n])
+            moved[rid] = kv
+        self.scheduler.finish_requests(list(moved), RequestStatus.FINISHED_MOVED)
+        for rid in moved:
+            self.outputs.drop(rid)
+        return moved
 
     def abort_all(self) -> list[str]:
         """Abort every request held; returns their ids."""

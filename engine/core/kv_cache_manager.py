@@ -185,13 +185,23 @@ class KVCacheManager:
         self, request: Request, budget: int, swapped: bool
     ) -> tuple[int, list[tuple[int, int]]] | None:
         """Blocks for a waiting request's next chunk of at most `budget` tokens: its swapped
-        KV back from the host (with the (host, device) copies to make), or its cached prefix
-        plus new blocks (`num_computed_tokens` set to the cached length). Returns the chunk's
-        token count and the copies, or None (nothing changed) if the pool is too full."""
+        KV back from the host (with the (host, device) copies to make), blocks for the KV it
+        carries from another replica plus the chunk, or its cached prefix plus new blocks
+        (`num_computed_tokens` set to the KV's length). Returns the chunk's token count and
+        the copies, or None (nothing changed) if the pool is too full."""
         if swapped:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.swap_in(request, n)
             return None if copies is None else (n, copies)
+        carried = request.carried_kv
+        if carried is not None:  # KV computed at another replica: blocks to write it into
+            n = min(request.num_tokens - carried.num_tokens, budget)
+            if not self.admit(request, [], carried.num_tokens + n):
+                return None
+            request.num_computed_tokens = carried.num_tokens
+            if request.num_cached_prompt_tokens is None:
+                request.num_cached_prompt_tokens = 0
+            return n, []
         hit = self.match_prefix(request)  # nothing computed: new, or preempted and reset
         num_cached = len(hit) * self.block_size
         n = min(request.num_tokens - num_cached, budget)

@@ -10,6 +10,7 @@ from engine.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.core.lora_slots import LoRALoad
     from engine.core.request import Request
+    from engine.core.sequence_kv import SequenceKV
 
 
 # The input token of a row scheduled before the step that samples it has run: the runner
@@ -106,6 +107,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Adapters the runner loads into their slots before the step (engine/core/lora_slots.py).
     lora_loads: list[LoRALoad] = field(default_factory=list)
+    # KV computed at another replica, written into these blocks before the step runs.
+    kv_imports: list[tuple[SequenceKV, list[int]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

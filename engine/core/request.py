@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.core.lora_slots import LoRARequest
 from engine.core.sampling_params import SamplingParams
+from engine.core.sequence_kv import SequenceKV
 
 
 @dataclass(frozen=True)
 class Resume:
-    """Where a request stopped at another engine replica (which died): the output tokens it
-    produced there and the characters of their text the client already has. A request added
-    with it goes on from there, as if it had run here all along: its max_tokens, min_tokens,
-    penalties and random draws count those tokens as its output."""
+    """Where a request stopped at another engine replica (which died, or which it left): the
+    output tokens it produced there and the characters of their text the client already has.
+    A request added with it goes on from there, as if it had run here all along: its
+    max_tokens, min_tokens, penalties and random draws count those tokens as its output.
+    `kv`: the KV it computed there, when it moved with it (else its context is computed
+    again here)."""
 
     output_token_ids: list[int]
     num_text_chars: int
+    kv: SequenceKV | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +33,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_MOVED = "moved"  # left for another engine replica, with its KV
 
     @property
     def finished(self) -> bool:
@@ -44,6 +49,7 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
+    RequestStatus.FINISHED_MOVED,
 }
 
 
@@ -92,6 +98,8 @@ class Request:
         self.resumed_at_step = -1  # the step in which it last came back after a preemption
         self.first_token_time: float | None = None
         self.resumed: Resume | None = None  # set by resume_from
+        # KV computed at another replica, written into its blocks when it is first admitted.
+        self.carried_kv: SequenceKV | None = None
         stop_ids = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             stop_ids.update(eos_token_ids)
@@ -100,10 +108,11 @@ class Request:
     def resume_from(self, resume: Resume) -> None:
         """Take the tokens produced elsewhere as this request's output so far (before it is
         scheduled: they are computed as a prefix, with the prompt)."""
-        self.resumed = resume
+        self.resumed = replace(resume, kv=None)  # the KV is held once, until admitted
         self.all_token_ids += resume.output_token_ids
         self.num_tokens = len(self.all_token_ids)
         self.num_output_tokens = len(resume.output_token_ids)
+        self.carried_kv = resume.kv
 
     def append_outputs(
         self, tokens: list[int], max_model_len: int

@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.core.config import EngineConfig
 from engine.core.errors import InvalidParam
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from engine.core.sequence_kv import SequenceKV
 from engine.model.loader import read_spec, resolve_max_model_len
 from engine.runner.cost_model import GPUS, MODELS, CostParams, Pricer, kv_blocks_for
 from engine.runner.gpu_specs import GpuSpec
@@ -118,6 +119,7 @@ class EmulatedRunner:
         emulate = config.emulate
         self.emulated = emulated(emulate.model, emulate.gpu, emulate.calibration)
         cache = config.cache
+        self.block_size = cache.block_size
         model = self.emulated.model.quantized(kv_cache_dtype=cache.kv_cache_dtype)
         self.pricer = Pricer(model, self.emulated.gpu, self.emulated.params, lora_rank=0)
         self._num_blocks = cache.num_blocks or kv_blocks_for(
@@ -139,6 +141,15 @@ class EmulatedRunner:
 
     def num_host_blocks(self) -> int:
         return 0
+
+    def export_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV:
+        """A sequence's progress without tensors (there are none): the count moves."""
+        return SequenceKV(list(token_ids), self.block_size, "emulated")
+
+    def kv_refusal(self, kv: SequenceKV) -> str | None:
+        if kv.data is not None:
+            return "an emulated replica keeps no KV tensors"
+        return None if kv.block_size == self.block_size else "another block size"
 
     def token_at(self, position: int) -> int:
         """The token an emulated replica says at a sequence position."""

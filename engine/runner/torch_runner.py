@@ -20,6 +20,7 @@ from engine.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from engine.core.sequence_kv import SequenceKV
 from engine.cpu.host_memory import keep_freed_memory_in_heap
 from engine.cpu.packed_weights import weight_bytes
 from engine.grammar_bank import GrammarBank
@@ -39,6 +40,7 @@ from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels,
 from engine.runner.kv_budget import num_cache_blocks, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
+from engine.runner.kv_transfer import read_kv, refusal, write_kv
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.packed_inputs import packed_inputs
 from engine.runner.pooler import Pooler, has_pooling
@@ -203,6 +205,19 @@ class TorchModelRunner:
     def use_grammars(self, grammars: GrammarBank) -> None:
         self.sampler.grammars = grammars  # structured outputs: the sampler masks their rows
 
+    def export_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV | None:
+        """The KV of a sequence's first tokens, in `block_ids`, as plain data (None with
+        tensor parallelism: each rank holds a share of the heads)."""
+        if self.tp is not None:
+            return None
+        return read_kv(self.kv_caches, block_ids, token_ids, self.block_size, self.model)
+
+    def kv_refusal(self, kv: SequenceKV) -> str | None:
+        """Why this cache cannot take `kv` (then the sequence computes it again), or None."""
+        if self.tp is not None:
+            return "tensor-parallel ranks each hold a share of the heads"
+        return refusal(kv, self.kv_caches, self.block_size)
+
     def health_problem(self) -> str | None:
         """Why this runner cannot step (a tensor-parallel rank's process ended), or None."""
         return None if self.workers is None else self.workers.problem()
@@ -220,6 +235,8 @@ class TorchModelRunner:
         if scheduler_output.has_swaps:
             swap = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
             swap_blocks(self.kv_caches, self.host_caches, *swap)
+        for kv, block_ids in scheduler_output.kv_imports:
+            write_kv(self.kv_caches, kv, block_ids, self.model)
         if scheduler_output.is_empty:
             return ReadyStep(ModelRunnerOutput({}))
         # Decodes first: the attention backend batches them as one call; then by LoRA slot, so

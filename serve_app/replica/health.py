@@ -42,6 +42,12 @@ class HealthArgs(BaseModel):
         "streams; an engine replica's still running then resume at another replica (an "
         "ingress replica's cannot: the clients' connections end there).",
     )
+    move_on_stop: bool = Field(
+        True,
+        description="An engine replica being removed moves its sequences, with their KV, to "
+        "other replicas at once and is gone in seconds, instead of finishing them within "
+        "graceful_shutdown_timeout_s (the clients' streams go on unbroken either way).",
+    )
 
 
 def health_problem(engine: AsyncLLMEngine, args: HealthArgs) -> str | None:

@@ -9,6 +9,8 @@ A sequence outlives its replica: when the replica dies mid-stream, the sequence 
 another one from the tokens the client already has (engine.core.request.Resume), so the
 client's stream goes on with no token repeated or missing; greedy and seeded sequences give
 exactly the tokens of an undisturbed run (a draw depends only on the seed and its index).
+When its replica is stopping, the sequence moves the same way with its KV, so the replica it
+goes to computes nothing again (serve_app/transport/moved_sequence.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from serve_app.openai.errors import OpenAIError
 from serve_app.transport.delta_channel import ChannelledFirst, DeltaChannels
 from serve_app.transport.direct_calls import DirectCalls
 from serve_app.transport.engine_rejection import EngineRejection
+from serve_app.transport.moved_sequence import SequenceLeft
 from serve_app.transport.streaming import Prepared, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -147,6 +150,7 @@ class EngineClient:
         tokens: list[int] = []
         chars = 0
         for resumes in itertools.count():
+            kv = left = None  # a moved sequence's KV, and the call at the replica it left
             try:
                 async with contextlib.aclosing(started.stream.deltas(started.first)) as outs:
                     async for out in outs:
@@ -154,6 +158,14 @@ class EngineClient:
                         chars += len(out.new_text)
                         yield out
                 return
+            except SequenceLeft as moved:  # its replica is stopping: on with its KV
+                kv, left = await moved.kv, started
+                logger.info(
+                    "request %s moved after %d tokens (%s KV)",
+                    seq.request_id,
+                    len(tokens),
+                    "with" if kv is not None else "without",
+                )
             except _REPLICA_LOST as exc:
                 if resumes == _MAX_RESUMES:
                     message = f"the request lost {resumes + 1} engine replicas in a row"
@@ -173,7 +185,7 @@ class EngineClient:
             seq.params = dataclasses.replace(seq.params, prompt_logprobs=None)  # sent already
             try:
                 started = await self._send_until_taken(
-                    seq, Resume(list(tokens), chars), retry=(429, 503)
+                    seq, Resume(list(tokens), chars, kv), retry=(429, 503)
                 )
             except OpenAIError as exc:
                 message = (
@@ -181,6 +193,9 @@ class EngineClient:
                     f"request_timeout_s ({self.request_timeout_s:g} s): {exc.message}"
                 )
                 raise OpenAIError.server_error(503, message) from None
+            finally:
+                if left is not None:  # the replica it left may drop the KV now
+                    left.cancel()
 
     async def _send_until_taken(
         self, seq: _Sequence, resume: Resume | None, retry: tuple[int, ...]
@@ -257,6 +272,8 @@ class EngineClient:
                 raise _Elsewhere(first.message)
             if first.kind == "overloaded":
                 raise self._overloaded(first.message)
+            if first.kind == "stopping":  # another replica takes it
+                raise OpenAIError.server_error(503, first.message)
             raise OpenAIError(400, first.message, param=first.param)
         if isinstance(first, ChannelledFirst):
             stream.attach(first.replica_id)

@@ -10,6 +10,6 @@ from typing import Literal
 class EngineRejection:
     """Why an engine replica did not take a request; the ingress maps it to an HTTP status."""
 
-    kind: Literal["overloaded", "invalid_request", "elsewhere"]
+    kind: Literal["overloaded", "invalid_request", "elsewhere", "stopping"]
     message: str
     param: str | None = None

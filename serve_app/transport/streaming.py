@@ -9,7 +9,7 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.core.outputs import RequestOutput, merge_queued
@@ -17,6 +17,7 @@ from serve_app.openai.logprobs_format import LogprobsFormatter
 from serve_app.openai.tool_calls import ToolPlan
 from serve_app.transport.delta_channel import DeltaChannels
 from serve_app.transport.delta_queue import DeltaQueue
+from serve_app.transport.moved_sequence import MOVED, MovedOut, SequenceLeft
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 # replica's call for it has ended (normally milliseconds; a subscription being set up again
 # under load takes a few seconds).
 CHANNEL_END_GRACE_S = 30.0
+
+# How long the ingress waits for a moved sequence's KV ObjectRef before resuming it without.
+MOVED_KV_WAIT_S = 10.0
 
 # The task that runs a streamed response (its route handler's): cancelling it closes the
 # connection. The tasks sending the response and pumping its choices (n > 1) inherit it.
@@ -67,6 +71,8 @@ class RequestStream:
         # Opened before the call starts: the channel may deliver before the call returns.
         self.queue: DeltaQueue | None = channels.open(request_id) if channels is not None else None
         self.call: Any = None  # the engine call's response stream, set by its starter
+        # Where a moved sequence's KV is (its call's MovedOut), read from the call by `_watch`.
+        self._moved: asyncio.Future[Any] | None = None
 
     @property
     def channel_id(self) -> str | None:
@@ -105,6 +111,11 @@ class RequestStream:
             )
             async with rest as later:
                 async for out in later:
+                    if out.finish_reason == MOVED:  # the replica is stopping (moved_sequence)
+                        done = True  # its call holds the KV until the sequence goes on
+                        if out.new_token_ids:
+                            yield replace(out, finished=False, finish_reason=None)
+                        raise SequenceLeft(self.request_id, self._moved_kv())
                     yield out
                     done = out.finished
         finally:
@@ -129,9 +140,23 @@ class RequestStream:
 
         return overflow
 
+    async def _moved_kv(self) -> Any:
+        """A moved sequence's KV ObjectRef, from its call's MovedOut; None where that does
+        not come (its replica died meanwhile: the context is computed again)."""
+        try:
+            if self._moved is not None:  # the channel's watcher reads the call
+                return await asyncio.wait_for(asyncio.shield(self._moved), MOVED_KV_WAIT_S)
+            item = await asyncio.wait_for(anext(self.call), MOVED_KV_WAIT_S)
+            return item.kv if isinstance(item, MovedOut) else None
+        except Exception as exc:
+            logger.warning("request %s: its moved KV did not come (%r)", self.request_id, exc)
+            return None
+
     async def _channelled(self, queue: DeltaQueue) -> AsyncIterator[RequestOutput]:
         assert self.channels is not None
+        self._moved = asyncio.get_running_loop().create_future()
         watcher = asyncio.get_running_loop().create_task(self._watch())
+        moved = False
         try:
             while True:
                 item = await queue.get()
@@ -139,11 +164,17 @@ class RequestStream:
                 item = merge_queued(item, queue)
                 if isinstance(item, BaseException):
                     raise item
+                moved = item.finish_reason == MOVED
                 yield item
                 if item.finished:
                     return
         finally:
-            watcher.cancel()
+            if not moved:  # else it is reading the call's MovedOut
+                watcher.cancel()
+
+    def _settle_moved(self, kv: Any) -> None:
+        if self._moved is not None and not self._moved.done():
+            self._moved.set_result(kv)
 
     async def _watch(self) -> None:
         """Its replica died before the channel delivered the end, or the channel did not bring
@@ -151,11 +182,15 @@ class RequestStream:
         the request rather than leave its client waiting."""
         assert self.channels is not None and self.queue is not None
         try:
-            async for _ in self.call:
-                pass
+            async for item in self.call:
+                if isinstance(item, MovedOut):
+                    self._settle_moved(item.kv)
+                    return  # the call stays open, holding the KV, until it is cancelled
         except Exception as exc:
+            self._settle_moved(None)
             self.channels.fail(self.request_id, exc)
             return
+        self._settle_moved(None)
         deadline = time.monotonic() + CHANNEL_END_GRACE_S
         while not self.queue.ended and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

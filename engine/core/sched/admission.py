@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 from bisect import insort
+from dataclasses import dataclass, field
 
 from engine.core.outputs import ScheduledRequest
 from engine.core.request import Request, RequestStatus
 from engine.core.sched.request_order import aging_order
 from engine.core.sched.state import SchedulerState
+from engine.core.sequence_kv import SequenceKV
 
 
-def admit_waiting(
-    s: SchedulerState, budget: int, allowed: bool = True
-) -> tuple[list[ScheduledRequest], list[tuple[int, int]], int]:
+@dataclass
+class Admitted:
+    """What admission added to a step: the rows of the requests admitted, the swap-in copies
+    to make, the carried KV to write (with the blocks it goes into), the budget left."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    kv_imports: list[tuple[SequenceKV, list[int]]] = field(default_factory=list)
+    budget: int = 0
+
+
+def admit_waiting(s: SchedulerState, budget: int, allowed: bool = True) -> Admitted:
     """After the running requests took their tokens: waiting requests in order while
-    `budget`, `max_num_seqs` and free blocks allow (none unless `allowed`). Returns their
-    rows, the swap-in copies to make, and the budget left."""
-    swap_in: list[tuple[int, int]] = []
-    scheduled: list[ScheduledRequest] = []
+    `budget`, `max_num_seqs` and free blocks allow (none unless `allowed`)."""
+    out = Admitted()
+    swap_in, scheduled = out.swap_in, out.scheduled
     kv = s.kv_cache
     if s.config.batching == "static" and not s.running:
         s.static_admitted = 0
@@ -36,6 +46,10 @@ def admit_waiting(
             break
         n, copies = admitted
         swap_in += copies
+        carried = request.carried_kv
+        if carried is not None:
+            out.kv_imports.append((carried, kv.block_ids(request.request_id)[: carried.num_blocks]))
+            request.carried_kv = None
         s.waiting.popleft()
         if loras is not None:
             request.lora_slot = loras.acquire(request.lora)
@@ -49,4 +63,5 @@ def admit_waiting(
         scheduled.append(ScheduledRequest.of(request, n, kv.block_ids(request.request_id)))
         budget -= n
     s.waiting.extendleft(reversed(no_slot))
-    return scheduled, swap_in, budget
+    out.budget = budget
+    return out

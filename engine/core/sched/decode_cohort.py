@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.core.policy import ExternalLimits
 from engine.core.request import Request, RequestStatus
-from engine.core.sched.admission import admit_waiting
+from engine.core.sched.admission import Admitted, admit_waiting
 
 if TYPE_CHECKING:
     from engine.core.clock import Clock
@@ -125,9 +125,10 @@ class DecodeCohort:
                 else:
                     later += crossing
             # An empty queue admits nothing (and a static batch restarts on the next arrival).
-            rows, swap_in, _ = admit_waiting(s, budget) if s.waiting else ((), (), 0)
-            if swap_in:
+            admitted = admit_waiting(s, budget) if s.waiting else Admitted()
+            if admitted.swap_in:
                 raise AssertionError("a simulated scheduler swapped")
+            rows = admitted.scheduled
             if not members and not rows:
                 return taken, True  # the scheduler's own step reports it
             # Each member attends to its context and its new token (engine/runner/cost_model).

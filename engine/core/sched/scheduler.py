@@ -121,8 +121,9 @@ class Scheduler(SchedulerState):
             i += 1
 
         # Admitting right after a preemption would only thrash the cache.
-        admitted, swap_in, budget = admit_waiting(self, budget, allowed=not preempted)
-        scheduled += admitted
+        admitted = admit_waiting(self, budget, allowed=not preempted)
+        scheduled += admitted.scheduled
+        budget = admitted.budget
 
         ended, self.ended_since_last_step = self.ended_since_last_step, []
         self.num_steps_total += 1
@@ -134,7 +135,8 @@ class Scheduler(SchedulerState):
             finished_request_ids=ended,
             preempted_request_ids=preempted,
             blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
+            blocks_to_swap_in=admitted.swap_in,
+            kv_imports=admitted.kv_imports,
             lora_loads=self.loras.take_loads() if self.loras is not None else [],
         )
 
