@@ -11,6 +11,7 @@ case where the tokens may differ from an undisturbed run's).
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -64,7 +65,9 @@ def write_kv(caches: KVCaches, kv: SequenceKV, block_ids: list[int], model: nn.M
     """Write `kv` (which `refusal` accepted) into `block_ids` of `caches`."""
     device = caches[0][0].device
     index = torch.tensor(block_ids, device=device)
-    data = torch.from_numpy(kv.data)  # read-only from the object store: only read here
+    with warnings.catch_warnings():  # read-only from the object store: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(kv.data)
     layers = _attention_layers(model)
     fp8 = caches[0][0].dtype == FP8_KV
     if fp8:

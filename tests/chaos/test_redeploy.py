@@ -39,13 +39,13 @@ def test_a_redeploy_mid_stream_cuts_no_stream(serve_cluster, chaos_app):
     # The old replicas moved their sequences, with their KV, to the new one and went while
     # the streams went on there (they used to finish the streams first).
     (new,) = engine_replica_stats(serve_cluster).values()
-    assert new["num_moved_in"] == new["num_kv_carried"] > len(texts) // 2, new
-    assert new["num_kv_refused"] == new["num_kv_fetch_failures"] == 0, new
-    assert 0 < stopping_s < MOVED_AWAY_WITHIN_S, stopping_s
     print(
         f"old engine replicas stopped in {stopping_s:.1f} s; the KV of "
         f"{new['num_kv_tokens_carried']} tokens moved with {new['num_kv_carried']} sequences"
     )
+    assert new["num_moved_in"] == new["num_kv_carried"] > len(texts) // 2, new
+    assert new["num_kv_refused"] == new["num_kv_fetch_failures"] == 0, new
+    assert 0 < stopping_s < MOVED_AWAY_WITHIN_S, stopping_s
 
 
 def longest_stop(run: asyncio.Task) -> float:
