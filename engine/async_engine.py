@@ -55,8 +55,8 @@ class AsyncLLMEngine:
         self._inbox = threading.Lock()
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
-        # Requests to move out (None: all), each with the future that counts those moved.
-        self._pending_moves: list[tuple[list[str] | None, asyncio.Future[int]]] = []
+        # Work to do between steps (between_steps), each with the future of its result.
+        self._pending_calls: list[tuple[Callable[[LLMEngine], object], asyncio.Future]] = []
         self._work = threading.Event()  # set when the inbox has something
         self._closing = False
         self._parked = False  # the step loop returned idle; the next request starts it again
@@ -125,9 +125,14 @@ class AsyncLLMEngine:
         """End these requests here (every one held: None) between two steps, so that they go
         on at another replica: each one's stream raises SequenceMoved with its KV after its
         last delta. Returns how many moved."""
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        return await self.between_steps(partial(self._move, request_ids))
+
+    async def between_steps(self, work: Callable[[LLMEngine], T]) -> T:
+        """`work(engine)` in the step loop, before its next step (the only thread that may
+        read or change the engine's state); its result."""
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         with self._inbox:
-            self._pending_moves.append((request_ids, done))
+            self._pending_calls.append((work, done))
         self._kick()
         return await done
 
@@ -223,13 +228,13 @@ class AsyncLLMEngine:
                 return  # a closed loop drops the callback that would have said so
 
     def _has_pending(self) -> bool:
-        return bool(self._pending_adds or self._pending_aborts or self._pending_moves)
+        return bool(self._pending_adds or self._pending_aborts or self._pending_calls)
 
     def _apply_pending(self) -> None:
         with self._inbox:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
-            moves, self._pending_moves = self._pending_moves, []
+            calls, self._pending_calls = self._pending_calls, []
         for request in adds:
             if request.request_id in aborts:
                 continue  # cancelled before it was ever queued
@@ -239,18 +244,24 @@ class AsyncLLMEngine:
                 self._post(self._fail, [request.request_id], exc)
         if aborts:
             self.engine.abort(aborts)
-        for request_ids, done in moves:
-            self._move(request_ids, done)
+        for work, done in calls:
+            try:
+                result = work(self.engine)
+            except Exception as exc:
+                self._post(_settle, done, None, exc)
+            else:
+                self._post(_settle, done, result, None)
 
-    def _move(self, request_ids: list[str] | None, done: asyncio.Future[int]) -> None:
+    def _move(self, request_ids: list[str] | None, engine: LLMEngine) -> int:
         """Move requests out: the steps in flight are collected first, and their deltas
         delivered before the streams end."""
-        settled = self.engine.settle()
+        settled = engine.settle()
         if settled:
             self._post(self._deliver, settled)
-        ids = list(self.engine.scheduler.requests) if request_ids is None else request_ids
-        moved = self.engine.move_out(ids)
-        self._post(self._moved, moved, done)
+        ids = list(engine.scheduler.requests) if request_ids is None else request_ids
+        moved = engine.move_out(ids)
+        self._post(self._moved, moved)
+        return len(moved)
 
     def _post(self, callback: Callable[..., None], *args: object) -> bool:
         """`callback(*args)` on the event loop (from the step loop); False if it has closed."""
@@ -271,13 +282,11 @@ class AsyncLLMEngine:
         if self.lockstep:  # said after the consumers these outputs woke (queued before it)
             asyncio.get_running_loop().call_soon(self._consumed.set)
 
-    def _moved(self, moved: dict[str, SequenceKV | None], done: asyncio.Future[int]) -> None:
+    def _moved(self, moved: dict[str, SequenceKV | None]) -> None:
         for request_id, kv in moved.items():
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_nowait(SequenceMoved(request_id, kv))
-        if not done.done():
-            done.set_result(len(moved))
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:
@@ -287,6 +296,15 @@ class AsyncLLMEngine:
 
 
 _PARK_AFTER_IDLE_S = 1.0
+
+
+def _settle(done: asyncio.Future, result: object, error: Exception | None) -> None:
+    if done.done():  # its caller was cancelled meanwhile
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 def _merged(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from dataclasses import replace
 
 from engine.core.clock import Clock, MonotonicClock
@@ -236,6 +237,12 @@ class LLMEngine:
         for rid in moved:
             self.outputs.drop(rid)
         return moved
+
+    def cached_blocks(self, limit: int) -> bytes:
+        """The keys of the prompt blocks the prefix cache holds (engine/core/block_hashes.py),
+        the most recent `limit`, as signed 64-bit ints: what a router reads to send a prompt
+        where its prefix is cached."""
+        return array("q", self.scheduler.kv_cache.pool.recent_hashes(limit)).tobytes()
 
     def abort_all(self) -> list[str]:
         """Abort every request held; returns their ids."""

@@ -152,6 +152,20 @@ class RoutingArgs(_Strict):
         description="Affinity yields to least-loaded routing when the preferred replica has this "
         "many more outstanding requests than the least loaded one.",
     )
+    kv_aware: bool = Field(
+        False,
+        description="Route by what each replica holds: the replicas publish the keys of the "
+        "prompt blocks in their KV cache every second, and each replica's outstanding "
+        "requests count less by kv_weight times the share of the prompt it holds (in place of "
+        "prefix_affinity's hash of the first prefix_tokens tokens; adapter requests are routed "
+        "by adapter).",
+    )
+    kv_weight: float = Field(
+        8.0,
+        ge=0.0,
+        description="With kv_aware: how many outstanding requests a replica holding the whole "
+        "prompt in its cache is worth (one holding half of it, half as many).",
+    )
 
 
 class ReplicaArgs(_Strict):

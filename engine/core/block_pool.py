@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 
 @dataclass
@@ -96,6 +97,11 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tokens
             self.cached[block_hash] = block
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """The keys of the blocks the prefix cache holds, the most recently registered first,
+        at most `limit`."""
+        return list(islice(reversed(self.cached), limit))
 
     def lookup(self, block_hash: int, parent_hash: object, tokens: tuple) -> KVCacheBlock | None:
         """The cached block with this content, verified by its tokens and parent, or None."""

@@ -9,6 +9,7 @@ logits it needs. Shared blocks are only read: a request writes only into blocks 
 
 from __future__ import annotations
 
+from engine.core.block_hashes import block_hash
 from engine.core.block_pool import BlockPool, KVCacheBlock
 from engine.core.request import Request
 
@@ -119,12 +120,12 @@ class KVCacheManager:
         parent: object = request.cache_salt
         for i in range((request.num_tokens - 1) // bs):  # leave the last token to compute
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            block_hash = hash((parent, chunk))
-            block = self.pool.lookup(block_hash, parent, chunk)
+            key = block_hash(parent, chunk)
+            block = self.pool.lookup(key, parent, chunk)
             if block is None:
                 break
             hit.append(block)
-            parent = block_hash
+            parent = key
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hit) * bs
         return hit
@@ -160,10 +161,10 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else request.cache_salt
         for i in range(len(hashes), n_full):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            block_hash = hash((parent, chunk))
-            self.pool.register(table[i], block_hash, parent, chunk)
-            hashes.append(block_hash)
-            parent = block_hash
+            key = block_hash(parent, chunk)
+            self.pool.register(table[i], key, parent, chunk)
+            hashes.append(key)
+            parent = key
 
     # ------------------------------------------------------------------ swap preemption
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

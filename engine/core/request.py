@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from engine.core.block_hashes import BASE_SALT
 from engine.core.lora_slots import LoRARequest
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence_kv import SequenceKV
@@ -75,7 +76,7 @@ class Request:
         self.lora = lora  # the LoRA adapter it runs with (None: the base model)
         self.lora_slot = -1  # the device slot of its adapter while it runs
         # Cached KV blocks are shared only between requests of one adapter (or none).
-        self.cache_salt = None if lora is None else ("lora", lora.lora_id)
+        self.cache_salt = BASE_SALT if lora is None else ("lora", lora.lora_id)
         self.priority = priority  # scheduling_policy "priority": lower runs first
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -133,9 +133,13 @@ async def soak(opts: argparse.Namespace, base: str, handle) -> dict[str, Any]:
         outcomes.extend(await asyncio.gather(*sends))
 
     async def every(period: float, action) -> None:
-        while time.monotonic() + period < stop_at:
-            await asyncio.sleep(period)
+        """`action` at start + period, + 2 period, ... before the end (on time, whatever the
+        one before took; one that ran past its successor's time is followed at once)."""
+        due = start + period
+        while due < stop_at:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             await action()
+            due += period
 
     async def watchdog() -> None:
         while True:

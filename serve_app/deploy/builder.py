@@ -162,7 +162,8 @@ def _engine(
         **placement,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_app.transport.router:LoadAwareRouter",
-            request_router_kwargs=app_args.routing.model_dump(),
+            request_router_kwargs=app_args.routing.model_dump()
+            | {"block_size": app_args.engine.block_size},
             request_routing_stats_period_s=1.0,
         ),
     ).bind(app_args.model_dump(), controller, board)

@@ -8,7 +8,6 @@ EngineRejection out.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -16,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -32,30 +30,16 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence_kv import SequenceMoved
 from serve_app.config import AppArgs
 from serve_app.observability import replica_logs, tracing
-from serve_app.replica.drain_signal import DrainSignal
 from serve_app.replica.health import health_problem
+from serve_app.replica.sequence_moves import MOVED_HOLD_S, SequenceMoves, moved_delta
 from serve_app.transport.delta_channel import ChannelledFirst, Outboxes, channel_name
 from serve_app.transport.engine_rejection import EngineRejection
-from serve_app.transport.moved_sequence import MOVED, MovedOut
+from serve_app.transport.moved_sequence import MovedOut
 
 logger = logging.getLogger(__name__)
 
-# How often a replica looks whether Serve has started stopping it.
-_STOP_POLL_S = 0.1
-# How often a stopping replica asks Serve whether another runs, to move its sequences to.
-_PEERS_POLL_S = 0.5
-# How long a moved sequence's KV waits at the replica it left for the ingress to resume it.
-_MOVED_HOLD_S = 60.0
-# How long a replica waits for a moved sequence's KV before computing the context itself.
-_KV_FETCH_TIMEOUT_S = 30.0
-
-
-def moved_delta(held: RequestOutput | None, last: RequestOutput) -> RequestOutput:
-    """A moved request's last delta here: the tokens not sent yet (if any), ending "moved"."""
-    if held is None:
-        held = dataclasses.replace(last, new_token_ids=[], new_text="", logprobs=None)
-    held = dataclasses.replace(held, prompt_logprobs=None, embedding=None)
-    return dataclasses.replace(held, finished=True, finish_reason=MOVED)
+# The most keys of cached blocks a replica publishes for KV-aware routing (8 bytes each).
+_PUBLISHED_BLOCKS = 8192
 
 
 @serve.deployment(name="EngineServer")
@@ -102,15 +86,11 @@ class EngineServer:
         self.num_reports_ok = 0
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
-        self.stopping = False  # Serve is stopping this replica: it takes no new requests
-        self.num_moved_out = 0  # sequences moved to other replicas as this one stopped
-        self.num_moved_in = 0  # sequences that came with KV from another replica
-        self.num_kv_fetch_failures = 0  # of which the KV could not be fetched
-        self.drain = DrainSignal()
+        self.moves = SequenceMoves(self.engine, self.replica_id)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.outboxes.watch_owners())]
-        if self.args.health.move_on_stop and self.drain.readable:
-            self._tasks.append(loop.create_task(self._move_on_stop()))
+        if self.args.health.move_on_stop and self.moves.drain.readable:
+            self._tasks.append(loop.create_task(self.moves.move_on_stop()))
         if controller is not None:
             self._tasks.append(loop.create_task(self._report_loop()))
         if metrics_board is not None:
@@ -141,7 +121,7 @@ class EngineServer:
             # Serve's router may hand a choice made for another request to this one.
             yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
             return
-        if self.stopping:  # Serve is stopping it: the sequences it holds are moving out too
+        if self.moves.stopping:  # Serve is stopping it: its sequences are moving out too
             yield EngineRejection("stopping", f"engine replica {self.replica_id} is stopping")
             return
         if self.engine.num_streams >= self.capacity:
@@ -162,7 +142,7 @@ class EngineServer:
         ) as span:
             span.event("queued", timestamp=tracing.wall_ns_of(started))
             try:
-                resume = await self._with_kv(resume)
+                resume = await self.moves.with_kv(resume)
                 stream = self.engine.generate(
                     prompt_token_ids, params, request_id, priority, resume, lora
                 )
@@ -212,10 +192,9 @@ class EngineServer:
                         yield final
                     else:
                         outbox.put(final)
-                    ref = None if moved.kv is None else await asyncio.to_thread(ray.put, moved.kv)
-                    yield MovedOut(ref)
+                    yield MovedOut(None if moved.kv is None else await self.moves.put(moved.kv))
                     # Held (with the KV) until the ingress has resumed it and cancels this call.
-                    await asyncio.sleep(_MOVED_HOLD_S)
+                    await asyncio.sleep(MOVED_HOLD_S)
             finally:  # also when the caller went away (the engine request was aborted)
                 if outbox is not None:
                     self.outboxes.close(watched, outbox)
@@ -229,38 +208,6 @@ class EngineServer:
                     final.queue_time_s,
                 )
                 tracing.record_engine_life(span, final, reason, started)
-
-    async def _with_kv(self, resume: Resume | None) -> Resume | None:
-        """A moved sequence's Resume with its KV fetched from the replica it left (the
-        ingress passes the KV's ObjectRef); without it where that fails (the replica died:
-        the context is computed here)."""
-        if resume is None or not isinstance(resume.kv, ray.ObjectRef):
-            return resume
-        try:
-            kv = await asyncio.wait_for(resume.kv, _KV_FETCH_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.num_kv_fetch_failures += 1
-            logger.warning("a moved sequence's KV could not be fetched (%r): computing it", exc)
-            kv = None
-        self.num_moved_in += 1
-        return dataclasses.replace(resume, kv=kv)
-
-    async def _move_on_stop(self) -> None:
-        """Once Serve starts stopping this replica, move every sequence it holds out: the
-        ingress resumes each elsewhere with its KV, and the replica is gone once they took
-        them (serve_app/transport/moved_sequence.py)."""
-        while not self.drain.stopping():
-            await asyncio.sleep(_STOP_POLL_S)
-        self.stopping = True
-        # Until another replica runs (a redeploy), the sequences go on here.
-        while not await asyncio.to_thread(self.drain.peers_running):
-            await asyncio.sleep(_PEERS_POLL_S)
-        logger.info("replica %s is stopping: moving its sequences out", self.replica_id)
-        while True:  # requests still on their way in join the next move
-            self.num_moved_out += await self.engine.move_out()
-            await asyncio.sleep(_STOP_POLL_S)
 
     async def subscribe(self, channel: str, replica_id: str | None = None) -> AsyncIterator[bytes]:
         """The deltas of `channel`'s requests at this replica, one `packed` batch per engine step;
@@ -289,13 +236,7 @@ class EngineServer:
             num_reports_ok=self.num_reports_ok,
             num_report_failures=self.num_report_failures,
             loras=self._held_loras(),
-            stopping=self.stopping,
-            num_moved_out=self.num_moved_out,
-            num_moved_in=self.num_moved_in,
-            num_kv_carried=self.engine.engine.num_kv_carried,
-            num_kv_tokens_carried=self.engine.engine.num_kv_tokens_carried,
-            num_kv_refused=self.engine.engine.num_kv_refused,
-            num_kv_fetch_failures=self.num_kv_fetch_failures,
+            **self.moves.stats(),
             **self.outboxes.stats(),
         )
         return stats
@@ -359,13 +300,19 @@ class EngineServer:
                 logger.warning("metrics push failed: %r", exc)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Read by the ingress's request router (serve_app.transport.router.LoadAwareRouter)."""
-        return {
+        """Read by the ingress's request router (serve_app.transport.router.LoadAwareRouter),
+        every second: with `routing.kv_aware`, the keys of the prompt blocks this replica's
+        prefix cache holds too (bounded)."""
+        stats = {
             "num_streams": self.engine.num_streams,
             "capacity": self.capacity,
             "routing_weight": self.decision.routing_weight,
             "loras": self._held_loras(),
         }
+        if self.args.routing.kv_aware:
+            held = self.engine.between_steps(lambda e: e.cached_blocks(_PUBLISHED_BLOCKS))
+            stats["kv_blocks"] = await held
+        return stats
 
     def _held_loras(self) -> list[str]:  # the LoRA adapters in this replica's slots
         slots = self.engine.engine.scheduler.loras

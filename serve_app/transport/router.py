@@ -1,4 +1,5 @@
-"""LoadAwareRouter: least-loaded engine replica, with optional prompt-prefix affinity.
+"""LoadAwareRouter: least-loaded engine replica, with optional prompt-prefix affinity or
+KV-aware routing (serve_app/transport/cached_prefix.py).
 
 Load is a replica's outstanding requests (queued + running): Serve's queue-length cache,
 which the router updates on every send and every probe, falling back to the replica's own
@@ -6,7 +7,10 @@ which the router updates on every send and every probe, falling back to the repl
 replica (below 1 when its latency is over the deployment's SLA target). Prefix affinity uses
 rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids, so every
 ingress replica sends the same prefix to the same engine replica without sharing state, and a
-replica joining or leaving moves only its own share of prefixes. A request with a LoRA adapter
+replica joining or leaving moves only its own share of prefixes. With `kv_aware` instead, a
+request goes to the replica whose load less `kv_weight` times the share of the prompt's full
+blocks its prefix cache holds is lowest (the replicas publish their blocks' keys in their
+routing stats every second). A request with a LoRA adapter
 goes first to the least loaded replica that holds the adapter in a slot (its
 `record_routing_stats()` lists them), unless that one is busier than the least loaded by over
 `max_imbalance`; elsewhere the replica loads it.
@@ -33,6 +37,8 @@ from ray.serve._private.common import RequestMetadata  # the type of a public ho
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.control import weighted_load
+from engine.core.block_hashes import prompt_block_hashes
+from serve_app.transport.cached_prefix import PublishedBlocks, kv_ranked
 
 R = TypeVar("R")
 
@@ -50,12 +56,24 @@ def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(
-        self, *, prefix_affinity: bool, prefix_tokens: int, max_imbalance: int
+        self,
+        *,
+        prefix_affinity: bool,
+        prefix_tokens: int,
+        max_imbalance: int,
+        kv_aware: bool = False,
+        kv_weight: float = 0.0,
+        block_size: int = 16,
     ) -> None:
-        """Serve passes deploy.yaml's `routing:` (serve_app.config.RoutingArgs)."""
+        """Serve passes deploy.yaml's `routing:` (serve_app.config.RoutingArgs) and the
+        engine's KV block size."""
         self.prefix_affinity = prefix_affinity
         self.prefix_tokens = prefix_tokens
         self.max_imbalance = max_imbalance
+        self.kv_aware = kv_aware
+        self.kv_weight = kv_weight
+        self.block_size = block_size
+        self.published = PublishedBlocks()
 
     def _get_pending_request_matching_metadata(
         self, request_metadata: RequestMetadata | None = None
@@ -90,6 +108,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         ranks = self.ranked(self.select_available_replicas(), args, kwargs)
         return ranks[0][0] if ranks else None
 
+    def _held_blocks(self, replica: RunningReplica) -> frozenset[int]:
+        stats = replica.routing_stats or {}
+        return self.published.held(replica.replica_id.unique_id, stats.get("kv_blocks"))
+
     def ranked(
         self,
         candidates: list[RunningReplica],
@@ -118,6 +140,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             if ranks is not None:
                 return ranks
         prompt = _prompt_of(args)
+        if self.kv_aware and prompt and len(ranked) > 1:
+            if len(self.published) > len(self.curr_replicas):  # some were removed
+                self.published.forget_others({r.unique_id for r in self.curr_replicas})
+            keys = prompt_block_hashes(prompt, self.block_size)
+            return kv_ranked(ranked, keys, self.replica_load, self._held_blocks, self.kv_weight)
         if self.prefix_affinity and prompt and len(ranked) > 1:
             by_id = {r.replica_id.unique_id: r for r in ranked}
             preferred = by_id[

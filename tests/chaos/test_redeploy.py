@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from serve_app.deploy.builder import deployment_name
 from tests.chaos.conftest import APP, deploy, engine_replica_stats, run_all
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 # While another runs, a stopping engine replica is gone within this (Serve checks its
 # ongoing requests every 2 s), where it used to finish its streams first.
 MOVED_AWAY_WITHIN_S = 10.0
+ENGINES = deployment_name("EngineServer", "tiny")  # the chaos app's tiny engines
 
 
 def test_a_redeploy_mid_stream_cuts_no_stream(serve_cluster, chaos_app):
@@ -53,12 +55,9 @@ def longest_stop(run: asyncio.Task) -> float:
     another ran (one to move to), as seen while `run` goes on."""
     from ray import serve
 
-    from serve_app.deploy.builder import deployment_name
-
-    name = deployment_name("EngineServer", "tiny")
     stopping_since, longest = None, 0.0
     while not run.done():
-        states = serve.status().applications[APP].deployments[name].replica_states
+        states = serve.status().applications[APP].deployments[ENGINES].replica_states
         now = time.monotonic()
         if states.get("STOPPING", 0) and states.get("RUNNING", 0):
             stopping_since = stopping_since or now
