@@ -10,7 +10,6 @@ case where the tokens may differ from an undisturbed run's).
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
@@ -18,8 +17,6 @@ from torch import nn
 
 from engine.attention.base import FP8_KV, dequantize_kv, quantize_kv, stored
 from engine.core.sequence_kv import SequenceKV
-
-logger = logging.getLogger(__name__)
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) of every layer
 
@@ -76,11 +73,11 @@ def write_kv(caches: KVCaches, kv: SequenceKV, block_ids: list[int], model: nn.M
         for j, cache in enumerate(layer_caches):
             target = stored(cache)
             blocks = data[i, j].to(device).view(target.dtype)
-            if fp8 and (theirs := kv.scales[i][j]) != (ours := float(layers[i].kv_scales[j])):
-                scale = layers[i].kv_scales[j]
-                values = dequantize_kv(blocks.view(FP8_KV), torch.tensor(theirs), torch.float32)
-                blocks = quantize_kv(values, scale).view(torch.uint8)
-                logger.debug("re-quantized FP8 KV from scale %g to %g", theirs, ours)
+            ours = layers[i].kv_scales[j] if fp8 else None
+            if ours is not None and (theirs := kv.scales[i][j]) != float(ours):
+                source_scale = torch.tensor(theirs, device=device)
+                values = dequantize_kv(blocks.view(FP8_KV), source_scale, torch.float32)
+                blocks = quantize_kv(values, ours).view(torch.uint8)
             target.index_copy_(0, index, blocks)
 
 

@@ -73,6 +73,7 @@ class RequestStream:
         self.call: Any = None  # the engine call's response stream, set by its starter
         # Where a moved sequence's KV is (its call's MovedOut), read from the call by `_watch`.
         self._moved: asyncio.Future[Any] | None = None
+        self._watcher: asyncio.Task | None = None
 
     @property
     def channel_id(self) -> str | None:
@@ -155,7 +156,8 @@ class RequestStream:
     async def _channelled(self, queue: DeltaQueue) -> AsyncIterator[RequestOutput]:
         assert self.channels is not None
         self._moved = asyncio.get_running_loop().create_future()
-        watcher = asyncio.get_running_loop().create_task(self._watch())
+        # Kept on the stream: after a move it outlives this generator, reading the MovedOut.
+        self._watcher = watcher = asyncio.get_running_loop().create_task(self._watch())
         moved = False
         try:
             while True:

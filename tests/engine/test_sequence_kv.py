@@ -140,6 +140,18 @@ def test_fp8_kv_moves_with_its_scales(tiny_model):
     assert computed == [1] * len(tokens(after))
 
 
+def test_fp8_kv_moves_to_a_replica_with_other_scales_requantized(tiny_model):
+    fp8 = {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True}
+    source, target = engine(tiny_model, **fp8), engine(tiny_model, **fp8)
+    run(target, "first", GREEDY, prompt=[9] * 30)  # measures other scales than the source's
+    before, after, kv, computed = move(source, target, "r", GREEDY, steps=3)
+    layer = target.runner.model.layers[0].self_attn
+    assert kv.scales[0][0] != float(layer.kv_scales[0])
+    # Its blocks re-quantized to the target's scales: it goes on without recomputing.
+    assert len(tokens(before) + tokens(after)) == GREEDY.max_tokens
+    assert computed == [1] * len(tokens(after))
+
+
 def test_a_lora_sequence_moves_with_its_adapter(tiny_model):
     adapters = lora_adapters(tiny_model)
     name = next(iter(adapters))
