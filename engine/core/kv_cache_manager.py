@@ -194,23 +194,18 @@ class KVCacheManager:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.swap_in(request, n)
             return None if copies is None else (n, copies)
+        # Nothing computed here: new, preempted and reset, or carrying KV computed at another
+        # replica (blocks to write it into, in place of a prefix-cache hit).
         carried = request.carried_kv
-        if carried is not None:  # KV computed at another replica: blocks to write it into
-            n = min(request.num_tokens - carried.num_tokens, budget)
-            if not self.admit(request, [], carried.num_tokens + n):
-                return None
-            request.num_computed_tokens = carried.num_tokens
-            if request.num_cached_prompt_tokens is None:
-                request.num_cached_prompt_tokens = 0
-            return n, []
-        hit = self.match_prefix(request)  # nothing computed: new, or preempted and reset
-        num_cached = len(hit) * self.block_size
+        hit = [] if carried is not None else self.match_prefix(request)
+        num_cached = carried.num_tokens if carried is not None else len(hit) * self.block_size
         n = min(request.num_tokens - num_cached, budget)
-        if not self.admit(request, hit, n):
+        if not self.admit(request, hit, num_cached - len(hit) * self.block_size + n):
             return None
         request.num_computed_tokens = num_cached
         if request.num_cached_prompt_tokens is None:  # (a preempted request's own blocks later)
-            request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
+            from_cache = 0 if carried is not None else num_cached
+            request.num_cached_prompt_tokens = min(from_cache, request.num_prompt_tokens)
         return n, []
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
