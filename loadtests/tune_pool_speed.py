@@ -78,7 +78,7 @@ def run(duration_s: float, rate: float, out: Path) -> dict[str, Any]:
     for workers in (1, 2):
         with LocalPool(workers) as pool:
             measure("local", workers, pool, lambda: 1)
-    ray.init(num_cpus=2, object_store_memory=256 << 20, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, log_to_driver=False)
     try:
         for workers in (1, 2):
             with RayPool(limit=workers) as pool:

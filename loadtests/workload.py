@@ -52,18 +52,32 @@ def load_workload(
 
 def as_chat(items: list[WorkItem], model_dir: str) -> list[WorkItem]:
     """The items as chat requests: each prompt's text as the user's message, its tokens the
-    chat template applied to it as the ingress applies it (serve_app/openai/prompts.py)."""
+    chat template applied to it as the ingress applies it (serve_app/openai/prompts.py), at
+    most as many as the item's prompt."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    chats = []
-    for it in items:
-        text = tokenizer.decode(it.prompt_token_ids)
+
+    def templated_ids(text: str) -> list[int]:
         messages = [{"role": "user", "content": text}]
         templated = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
-        ids = tokenizer.encode(templated, add_special_tokens=False)
+        return tokenizer.encode(templated, add_special_tokens=False)
+
+    chats = []
+    for it in items:
+        text = tokenizer.decode(it.prompt_token_ids)
+        ids = templated_ids(text)
+        # Decoded random ids can re-encode into more tokens (a padded vocabulary's ids decode
+        # to several characters each): cut the text until the request is no longer than asked.
+        for _ in range(8):
+            excess = len(ids) - len(it.prompt_token_ids)
+            if excess <= 0:
+                break
+            plain = tokenizer.encode(text, add_special_tokens=False)
+            text = tokenizer.decode(plain[: max(1, len(plain) - excess)])
+            ids = templated_ids(text)
         chats.append(WorkItem(it.request_id, ids, it.max_tokens, chat=text))
     return chats
 

@@ -11,6 +11,13 @@ from engine.model.tiny_model import make_model
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start a Ray cluster of their own run first: before the session's shared
+    Serve apps start, whose replicas, controllers and boards would take the host's two cores
+    from them all the while (a multinode harness took several times as long beside them)."""
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is None)
+
+
 def tiny_model_dir(arch: str = "llama") -> str:
     name = "tiny" if arch == "llama" else f"tiny-{arch}"
     return str(make_model(REPO / "models" / name, size="tiny", arch=arch))

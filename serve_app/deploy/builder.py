@@ -89,8 +89,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         num_replicas=ingress_res.num_replicas,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,
         # The clients' connections end at the ingress: its streams cannot move, so a replica
-        # being removed drains as long as an engine replica does (Serve's default is shorter).
-        graceful_shutdown_timeout_s=app_args.health.graceful_shutdown_timeout_s,
+        # being removed drains until they end, however long the engines take to come up.
+        graceful_shutdown_timeout_s=app_args.health.ingress_graceful_shutdown_timeout_s,
         ray_actor_options={
             "num_cpus": ingress_res.num_cpus,
             "num_gpus": ingress_res.num_gpus,

@@ -36,6 +36,9 @@ def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> i
     from ray import serve
 
     ray.init(
+        # Never another cluster left on this machine (/tmp/ray/ray_current_cluster names the
+        # last one `ray start` or a test's Cluster began, which a bare init would join).
+        address="local",
         num_cpus=4,
         num_gpus=num_gpus,
         include_dashboard=False,

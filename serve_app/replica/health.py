@@ -38,9 +38,15 @@ class HealthArgs(BaseModel):
     graceful_shutdown_timeout_s: float = Field(
         60.0,
         ge=0.0,
-        description="How long a replica being removed (downscale, redeploy) may finish its "
-        "streams; an engine replica's still running then resume at another replica (an "
-        "ingress replica's cannot: the clients' connections end there).",
+        description="How long an engine replica being removed (downscale, redeploy) may "
+        "finish its streams; those still running then resume at another replica.",
+    )
+    ingress_graceful_shutdown_timeout_s: float = Field(
+        600.0,
+        ge=0.0,
+        description="How long an ingress replica being removed keeps serving the responses it "
+        "has open: the clients' connections end there and cannot move, so this bounds the "
+        "longest response a redeploy leaves whole (new requests go to the new replicas).",
     )
     move_on_stop: bool = Field(
         True,

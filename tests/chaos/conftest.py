@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -165,6 +166,8 @@ def differences(texts: list[str], expected: list[str]) -> list[dict[str, int]]:
 
 
 STAGE = "[stage] "
+# How long an interrupted harness has to take its cluster down before it is killed.
+HARNESS_STOP_S = 60
 
 
 def stage(text: str) -> None:
@@ -174,14 +177,29 @@ def stage(text: str) -> None:
 
 def run_json(command: list[str], cwd: Path, timeout: float) -> dict[str, Any]:
     """Run a harness that prints one JSON object last (a Ray cluster of its own in its own
-    process); its result, once it exited 0."""
+    process); its result, once it exited 0. One that runs past `timeout` is interrupted
+    first, so that its `finally` takes its cluster down (a killed one leaves the cluster
+    running, and /tmp/ray/ray_current_cluster naming it for every later bare ray.init)."""
+    harness = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        run = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:  # where it stopped shows in its last lines
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else ""
+        stdout, stderr = harness.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        harness.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = harness.communicate(timeout=HARNESS_STOP_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(harness.pid, signal.SIGKILL)
+            stdout, stderr = harness.communicate()
         stages = "\n".join(line for line in stderr.splitlines() if line.startswith(STAGE))
         raise AssertionError(
             f"timed out after {timeout:g} s:\n{stages}\n{stderr[-2000:]}"
         ) from None
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    assert harness.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])

@@ -108,7 +108,7 @@ def main(scenario: str) -> dict:
 
     from serve_app import build_app
     from serve_app.deploy.local_cluster import free_port
-    from tests.chaos.conftest import chaos_args, differences, run_all, run_with_fault
+    from tests.chaos.conftest import chaos_args, differences, run_all, run_with_fault, stage
     from tests.chaos.tune_nodes import tune_across
     from tests.conftest import tiny_model_dir
 
@@ -127,7 +127,9 @@ def main(scenario: str) -> dict:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         parts = scenario.split("+")
         layout = LAYOUT | (CONTROL if "control" in parts else {}) | (TP if "tp" in parts else {})
+        stage("cluster up; deploying")
         serve.run(build_app(chaos_args(tiny_model_dir(), **layout)), name="mn", route_prefix="/mn")
+        stage("app running")
         base = f"http://127.0.0.1:{port}/mn"
         handle = serve.get_deployment_handle("EngineServer", app_name="mn")
         before = _replicas(handle, 2, 60)
@@ -142,11 +144,13 @@ def main(scenario: str) -> dict:
         started = time.monotonic()
         remove = lambda: cluster.remove_node(victim, allow_graceful=False)  # noqa: E731
         texts = asyncio.run(run_with_fault(f"{base}/v1", remove))
+        stage("requests through the node's loss")
         result["seconds_after_kill"] = round(time.monotonic() - started, 1)
         result["completed"] = len(texts)
         expected = asyncio.run(run_all(f"{base}/v1"))
         result["equal"] = texts == expected
         result["differences"] = differences(texts, expected)
+        stage("undisturbed run")
         after = _replicas(handle, 2, 90)  # Serve replaces the lost replica on the survivor
         result["replicas_after"] = len(after)
         survivor = workers.index(next(w for w in workers if w is not victim))
@@ -157,9 +161,11 @@ def main(scenario: str) -> dict:
         # from the replicas; the cluster view once the controller is back.
         result["metrics_after_s"] = _until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)
         result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
+        stage("metrics and cluster view back")
         if "tune" in parts:
             with tempfile.TemporaryDirectory() as out:
                 result["tune"] = tune_across(cluster, Path(out))
+            stage("tuned across nodes")
     finally:  # no graceful stop: the cluster goes whole, its processes with it
         ray.shutdown()
         cluster.shutdown()

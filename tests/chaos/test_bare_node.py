@@ -12,7 +12,7 @@ import pytest
 from tests.chaos.conftest import run_json
 from tests.conftest import REPO, tiny_model_dir
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.own_cluster]
 
 
 def test_a_node_without_our_package_serves_the_app_through_runtime_env(tmp_path):

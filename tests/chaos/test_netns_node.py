@@ -16,6 +16,7 @@ from tests.conftest import REPO
 
 pytestmark = [
     pytest.mark.timeout(600),
+    pytest.mark.own_cluster,
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root"
     ),

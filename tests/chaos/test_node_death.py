@@ -18,11 +18,11 @@ import pytest
 from tests.chaos.conftest import run_json
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(580), pytest.mark.own_cluster]
 
 
 def test_a_dead_node_loses_no_accepted_request():
-    result = run_json([sys.executable, "-m", "tests.chaos.multinode", "control+tp+tune"], REPO, 400)
+    result = run_json([sys.executable, "-m", "tests.chaos.multinode", "control+tp+tune"], REPO, 560)
     assert result["placement"] == ["0", "1"], result  # one engine replica per worker node
     assert result["completed"] == 16 and result["equal"], result
     assert result["replicas_after"] == 2 and result["on_survivor"] == 2, result

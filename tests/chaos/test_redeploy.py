@@ -14,7 +14,7 @@ import pytest
 from serve_app.deploy.builder import deployment_name
 from tests.chaos.conftest import APP, deploy, engine_replica_stats, run_all
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
 
 # While another runs, a stopping engine replica is gone within this (Serve checks its
 # ongoing requests every 2 s), where it used to finish its streams first.
@@ -24,7 +24,9 @@ ENGINES = deployment_name("EngineServer", "tiny")  # the chaos app's tiny engine
 
 def test_a_redeploy_mid_stream_cuts_no_stream(serve_cluster, chaos_app):
     base_url = serve_cluster.v1(chaos_app)
+    began = time.monotonic()
     undisturbed = asyncio.run(run_all(base_url))
+    undisturbed_s, began = time.monotonic() - began, time.monotonic()
 
     async def redeployed() -> tuple[list[str], float]:
         started = asyncio.Event()
@@ -42,6 +44,7 @@ def test_a_redeploy_mid_stream_cuts_no_stream(serve_cluster, chaos_app):
     # the streams went on there (they used to finish the streams first).
     (new,) = engine_replica_stats(serve_cluster).values()
     print(
+        f"undisturbed run {undisturbed_s:.1f} s, redeployed {time.monotonic() - began:.1f} s; "
         f"old engine replicas stopped in {stopping_s:.1f} s; the KV of "
         f"{new['num_kv_tokens_carried']} tokens moved with {new['num_kv_carried']} sequences"
     )

@@ -13,7 +13,7 @@ import pytest
 from tests.chaos.conftest import run_json
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.timeout(480), pytest.mark.own_cluster]
 
 
 def test_a_soak_with_a_kill_loses_nothing_and_frees_every_block(tmp_path):

@@ -14,6 +14,7 @@ from tests.conftest import REPO
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.own_cluster
 def test_bench_serve_json_has_the_promised_keys(tiny_model):
     proc = subprocess.run(
         [

@@ -23,6 +23,7 @@ def test_the_steps_timeouts_add_up_to_at_most_the_budget():
         assert sum(step.timeout_s for step in steps(sizes)) <= BUDGET_S <= 540
 
 
+@pytest.mark.own_cluster
 def test_the_quick_stage_reports_every_figure_as_a_number(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     out = tmp_path / "out"

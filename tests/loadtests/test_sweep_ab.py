@@ -12,6 +12,7 @@ from tests.conftest import REPO
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.own_cluster
 def test_ab_sweep_starts_both_variants_and_compares_them(tiny_model, tmp_path):
     proc = subprocess.run(
         [

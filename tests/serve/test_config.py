@@ -199,3 +199,23 @@ def test_a_bad_models_entry_is_named(patch, message):
         several = {"model": None, "served_model_name": None} if "models" in patch else {}
         AppArgs.model_validate(deploy_yaml_args() | several | patch)
     assert message in str(err.value)
+
+
+def test_an_ingress_replica_drains_longer_than_an_engine_replica(tiny_model: str):
+    """Its clients' connections end there and cannot move: a redeploy keeps it serving them."""
+    from serve_app import build_app
+
+    args = dict(deploy_yaml_args(), model=tiny_model)
+    args["health"] = {"graceful_shutdown_timeout_s": 30, "ingress_graceful_shutdown_timeout_s": 900}
+    ingress = build_app(args)._bound_deployment
+    assert ingress.name == "OpenAIIngress"
+    assert ingress._deployment_config.graceful_shutdown_timeout_s == 900
+    engines = [  # the ingress's arguments hold each model's deployments in lists
+        app._bound_deployment
+        for arg in ingress.init_args
+        if isinstance(arg, list)
+        for app in arg
+        if hasattr(app, "_bound_deployment")
+    ]
+    engines = [d for d in engines if d.name.startswith("EngineServer")]
+    assert engines and engines[0]._deployment_config.graceful_shutdown_timeout_s == 30

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 # Runs in its own process: the serve tests' session already holds a Ray instance here.
@@ -32,6 +34,7 @@ finally:
 """
 
 
+@pytest.mark.own_cluster
 def test_a_taken_proxy_port_is_retried_on_another():
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=240
