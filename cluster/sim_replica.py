@@ -3,6 +3,8 @@ a CostModelRunner pricing each step, and the records of the requests it served."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cluster.batching import make_policy
 from cluster.request_records import RequestRecord
 from cluster.sim_config import SimConfig
@@ -13,10 +15,11 @@ from engine.core.fixed_proposers import SimulatedDrafts
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.lora_slots import LoRARequest, LoRASlots
 from engine.core.policy import BatchingPolicy, ExternalLimits
-from engine.core.request import Request
+from engine.core.request import Request, Resume
 from engine.core.sampling_params import SamplingParams
 from engine.core.sched.decode_cohort import DecodeCohort
 from engine.core.sched.scheduler import Scheduler
+from engine.core.sequence_kv import SequenceKV
 from engine.core.speculator import Speculator
 from engine.runner.cost_model import CostModelRunner
 
@@ -32,8 +35,10 @@ class SimReplica:
         records: dict[str, RequestRecord],
         start_s: float = 0.0,
         controlled: bool = False,
+        on_finish: Callable[[Request, float], None] | None = None,
     ):
-        """`controlled`: the batching policy runs outside (a ClusterControl sets `external`)."""
+        """`controlled`: the batching policy runs outside (a ClusterControl sets `external`).
+        `on_finish`: told of every request that ends here, and when."""
         c = self.config = config
         self.clock = VirtualClock(start_s)
         self.runner = CostModelRunner(
@@ -65,6 +70,7 @@ class SimReplica:
             policy = self.external = ExternalLimits(sched_config.limits())
         self.core = EngineCore(self.scheduler, self.runner, self.clock, policy)
         self.records = records
+        self.on_finish = on_finish
         self.live: dict[str, Request] = {}
         self.kv_series: list[tuple[float, float]] = []
         self.seqs_series: list[tuple[float, int]] = []
@@ -88,11 +94,17 @@ class SimReplica:
         """Requests queued or running here (the router's load)."""
         return len(self.live)
 
-    def add(self, req: SimRequest) -> None:
-        """Hand a request over at its arrival time (an idle replica's clock catches up)."""
-        if not self.busy and self.clock.now() < req.arrival_s:
-            self.clock.advance(req.arrival_s - self.clock.now())
-        self.records[req.request_id] = RequestRecord(req.arrival_s, req.prompt_len, req.output_len)
+    def add(
+        self, req: SimRequest, prefilled_s: float | None = None, at_s: float | None = None
+    ) -> None:
+        """Hand a request over at `at_s` (its arrival time unless given; an idle replica's
+        clock catches up). `prefilled_s`: it comes with its prompt's KV and its first token,
+        made at a prefill replica at that time (disaggregated serving): it decodes here."""
+        at_s = req.arrival_s if at_s is None else at_s
+        if not self.busy and self.clock.now() < at_s:
+            self.clock.advance(at_s - self.clock.now())
+        record = RequestRecord(req.arrival_s, req.prompt_len, req.output_len, prefilled_s)
+        self.records[req.request_id] = record
         prompt = self._prompts.get(req.prompt_len)
         if prompt is None:
             prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
@@ -104,6 +116,9 @@ class SimReplica:
                 lora = LoRARequest(req.adapter, len(self._adapters) + 1, "")
                 self._adapters[req.adapter] = lora
         request = Request(req.request_id, prompt, params, (), req.arrival_s, lora=lora)
+        if prefilled_s is not None:  # the KV as the emulated engine moves it: a count only
+            kv = SequenceKV(prompt, self.config.cache.block_size, "simulated")
+            request.resume_from(Resume([self.runner.sampled_token_id], 0, kv))
         self.scheduler.add_request(request)
         self.live[req.request_id] = request
 
@@ -122,9 +137,12 @@ class SimReplica:
     def _finished(self, request: Request, t: float) -> None:
         del self.live[request.request_id]
         rec = self.records[request.request_id]
-        rec.first_token_s = request.first_token_time
+        if rec.first_token_s is None:  # (a prefilled request's came from its prefill replica)
+            rec.first_token_s = request.first_token_time
         rec.num_output = request.num_output_tokens
         rec.finish_s = t
+        if self.on_finish is not None:
+            self.on_finish(request, t)
 
     def _sample(self, t: float) -> None:
         if self.steps % self.config.kv_sample_every == 1:

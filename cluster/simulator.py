@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -118,25 +118,30 @@ def capacity(
     target: float = 0.9,
     iters: int = 6,
 ) -> float:
-    """The highest arrival rate (requests/s) at which >= `target` of requests meet the SLO:
-    doubling from `start` to bracket it in [r, 2r], then `iters` bisections (resolution
-    r / 2**iters). `make_trace(rate)` builds the trace for a rate."""
+    """The highest arrival rate (requests/s) at which >= `target` of requests meet the SLO
+    on one replica (`highest_rate`). `make_trace(rate)` builds the trace for a rate."""
     sim = Simulator(config)
+    return highest_rate(
+        lambda rate: sim.run(make_trace(rate)).summary()["sla_attainment"] >= target,
+        start,
+        iters,
+    )
 
-    def ok(rate: float) -> bool:
-        return sim.run(make_trace(rate)).summary()["sla_attainment"] >= target
 
+def highest_rate(meets: Callable[[float], bool], start: float = 0.5, iters: int = 6) -> float:
+    """The highest rate at which `meets(rate)` holds, on any simulator: doubling from
+    `start` to bracket it in [r, 2r], then `iters` bisections (resolution r / 2**iters)."""
     lo = start
-    while not ok(lo):
+    while not meets(lo):
         lo /= 2
         if lo < 1e-3:
             return 0.0
     hi = lo * 2
-    while ok(hi):
+    while meets(hi):
         lo, hi = hi, hi * 2
         if hi > 1e5:
             return lo
     for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
     return lo

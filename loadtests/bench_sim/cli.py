@@ -5,6 +5,7 @@
     python -m loadtests.bench_sim cpu            # the same on the real CPU engine (same report)
     python -m loadtests.bench_sim autoscale [--out reports/autoscale] [--duration 1800]
         [--startup-delay 60]                     # see loadtests/bench_autoscale.py
+    python -m loadtests.bench_sim disagg [--gpus 4]  # prefill/decode pools vs colocated
 
 `paper` reproduces the comparison of arXiv 2503.05248 in our own setting (the paper's exact
 setup is not public: see ../shared/PAPER_NOTES.md): for each setting, throughput of static
@@ -31,7 +32,7 @@ from cluster.simulator import Simulator, capacity
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.core.config import SchedulerConfig
 from engine.runner.cost_model import GPUS, MODELS
-from loadtests.bench_sim import speed
+from loadtests.bench_sim import disagg, speed
 from loadtests.bench_sim.report import write_cpu_section, write_report
 
 
@@ -219,13 +220,14 @@ def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...])
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["paper", "speed", "cpu", "autoscale"])
+    parser.add_argument("scenario", choices=["paper", "speed", "cpu", "autoscale", "disagg"])
     parser.add_argument("--model", default="small", help="cpu: tiny | small | a checkpoint dir")
     parser.add_argument("--num-requests", type=int, default=48, help="cpu: mixed-200 prefix")
     parser.add_argument("--kv-mb", type=int, default=48, help="cpu: KV cache budget")
     parser.add_argument("--out", default=None, help="reports/<scenario> by default")
     parser.add_argument("--duration", type=float, default=1800.0, help="autoscale: trace s")
     parser.add_argument("--startup-delay", type=float, default=60.0, help="autoscale: replica s")
+    parser.add_argument("--gpus", type=int, default=4, help="disagg: GPUs in either fleet")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke runs)")
     parser.add_argument("--hours", type=float, default=1.0)
@@ -245,6 +247,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
         else:
             print((Path(opts.out) / "report.md").read_text())
+        return result
+    if opts.scenario == "disagg":
+        result = disagg.run_disagg(gpus=opts.gpus, quick=opts.quick)
+        print(json.dumps(result, indent=2) if opts.json else disagg.describe(result))
         return result
     if opts.scenario == "speed":
         result = speed.run_speed(opts.hours, opts.rate, not opts.no_reference)

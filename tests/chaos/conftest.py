@@ -175,6 +175,10 @@ def stage(text: str) -> None:
     print(f"{STAGE}{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_json(command: list[str], cwd: Path, timeout: float) -> dict[str, Any]:
     """Run a harness that prints one JSON object last (a Ray cluster of its own in its own
     process); its result, once it exited 0. One that runs past `timeout` is interrupted
@@ -187,6 +191,9 @@ def run_json(command: list[str], cwd: Path, timeout: float) -> dict[str, Any]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # SIGINT as Python expects it: a shell's background job (`make test &`) starts with
+        # it ignored, and a child that inherits that never raises KeyboardInterrupt.
+        preexec_fn=_default_sigint,
     )
     try:
         stdout, stderr = harness.communicate(timeout=timeout)

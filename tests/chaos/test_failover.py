@@ -144,8 +144,9 @@ def test_killing_the_controller_mid_stream_fails_no_request(serve_cluster, undis
         requests = asyncio.create_task(run_all(serve_cluster.v1(APP), kill))
         await kill.wait()
         before = await asyncio.to_thread(engine_replica_stats, serve_cluster)
+        # The process's title ends in the method it runs, if any (".report"); not "-gpt-oss".
         found = subprocess.run(
-            ["pgrep", "-f", f"ServeReplica:{APP}:ClusterController-tiny( |$)"],
+            ["pgrep", "-f", f"ServeReplica:{APP}:ClusterController-tiny([ .]|$)"],
             capture_output=True,
             text=True,
         )

@@ -186,9 +186,10 @@ def test_two_ingress_replicas_rows_come_back_merged_in_arrival_order(serve_clust
 
 
 def test_the_app_tunes_itself_on_its_recorded_traffic(two_ingress):
-    """deploy.yaml `tuning.auto`: the 16 requests above, one at a time, missed the TTFT
-    objective; within a few periods the controller's tuner applies max_num_seqs 4, which
-    the simulator predicts meets it, and /metrics counts the change."""
+    """deploy.yaml `tuning.auto`: on the 16 requests above, within a few periods the
+    controller's tuner applies max_num_seqs 4, the cheapest setting the simulator predicts
+    meets the objectives (because the setting in force misses them, or costs more: which
+    one depends on how the host spread the requests' arrivals), and /metrics counts it."""
     url = f"{two_ingress}/v1/cluster/settings"
 
     def applied() -> dict | None:
@@ -202,7 +203,8 @@ def test_the_app_tunes_itself_on_its_recorded_traffic(two_ingress):
     assert shown["engine"]["max_num_seqs"] == 4 and shown["version"] == 1, shown
     view = httpx.get(f"{two_ingress}/v1/cluster", timeout=10).json()
     change = view["tuning"]["last_change"]
-    assert change["kind"] == "apply" and "misses the target" in change["reason"], change
+    reasons = ("the setting in force misses the target", "fewer replica-hours at")
+    assert change["kind"] == "apply" and any(r in change["reason"] for r in reasons), change
     metrics = httpx.get(f"{two_ingress}/metrics", timeout=10).text
     counted = [
         line
