@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
 
+from ray import cloudpickle
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
@@ -19,6 +21,7 @@ from serve_app.observability.traffic_trace import TrafficTrace
 from serve_app.openai.responses.store import ResponseStore
 from serve_app.replica.engine_server import EngineServer
 from serve_app.replica.lora_board import LoRABoard
+from serve_app.transport.router import LoadAwareRouter
 from serve_app.tuning_args import tuning_plan
 
 logger = logging.getLogger(__name__)
@@ -162,11 +165,22 @@ def _engine(
         **placement,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_app.transport.router:LoadAwareRouter",
+            _serialized_request_router_cls=_router_pickled(),
             request_router_kwargs=app_args.routing.model_dump()
             | {"block_size": app_args.engine.block_size},
             request_routing_stats_period_s=1.0,
         ),
     ).bind(app_args.model_dump(), controller, board)
+
+
+@functools.cache
+def _router_pickled() -> bytes:
+    """The router class pickled by reference, once. Left to itself, RequestRouterConfig
+    pickles it by value, registering and unregistering its module with cloudpickle around
+    that, process-wide: two threads at it at once (a redeploy beside a handle taking a new
+    config) fail with "not registered for pickle by value". Our module is importable
+    wherever a replica runs, so by reference is enough."""
+    return cloudpickle.dumps(LoadAwareRouter)
 
 
 def _engine_placement(app_args: AppArgs, num_cpus: float) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -219,3 +219,32 @@ def test_an_ingress_replica_drains_longer_than_an_engine_replica(tiny_model: str
     ]
     engines = [d for d in engines if d.name.startswith("EngineServer")]
     assert engines and engines[0]._deployment_config.graceful_shutdown_timeout_s == 30
+
+
+def test_building_the_app_leaves_cloudpickle_registry_alone(tiny_model: str, monkeypatch):
+    """Serve would pickle the engines' router by value, registering and unregistering its
+    module process-wide around it, which fails when a handle's thread does the same at once
+    (seen in a redeploy): the router goes by reference, pickled once."""
+    from ray import cloudpickle
+
+    from serve_app import build_app
+    from serve_app.transport.router import LoadAwareRouter
+
+    register = cloudpickle.register_pickle_by_value
+
+    def refuse_ours(module):
+        assert not module.__name__.startswith("serve_app"), f"{module} pickled by value"
+        register(module)
+
+    monkeypatch.setattr(cloudpickle, "register_pickle_by_value", refuse_ours)
+    ingress = build_app(dict(deploy_yaml_args(), model=tiny_model))._bound_deployment
+    engines = [
+        app._bound_deployment
+        for arg in ingress.init_args
+        if isinstance(arg, list)
+        for app in arg
+        if hasattr(app, "_bound_deployment")
+        and app._bound_deployment.name.startswith("EngineServer")
+    ]
+    router = engines[0]._deployment_config.request_router_config
+    assert cloudpickle.loads(router._serialized_request_router_cls) is LoadAwareRouter
