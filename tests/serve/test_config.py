@@ -210,14 +210,7 @@ def test_an_ingress_replica_drains_longer_than_an_engine_replica(tiny_model: str
     ingress = build_app(args)._bound_deployment
     assert ingress.name == "OpenAIIngress"
     assert ingress._deployment_config.graceful_shutdown_timeout_s == 900
-    engines = [  # the ingress's arguments hold each model's deployments in lists
-        app._bound_deployment
-        for arg in ingress.init_args
-        if isinstance(arg, list)
-        for app in arg
-        if hasattr(app, "_bound_deployment")
-    ]
-    engines = [d for d in engines if d.name.startswith("EngineServer")]
+    engines = _engine_deployments(ingress)
     assert engines and engines[0]._deployment_config.graceful_shutdown_timeout_s == 30
 
 
@@ -238,13 +231,19 @@ def test_building_the_app_leaves_cloudpickle_registry_alone(tiny_model: str, mon
 
     monkeypatch.setattr(cloudpickle, "register_pickle_by_value", refuse_ours)
     ingress = build_app(dict(deploy_yaml_args(), model=tiny_model))._bound_deployment
-    engines = [
+    engines = _engine_deployments(ingress)
+    router = engines[0]._deployment_config.request_router_config
+    assert cloudpickle.loads(router._serialized_request_router_cls) is LoadAwareRouter
+
+
+def _engine_deployments(ingress) -> list:
+    """The engine deployments a built app's ingress is bound to (its arguments hold each
+    model's deployments in lists)."""
+    bound = [
         app._bound_deployment
         for arg in ingress.init_args
         if isinstance(arg, list)
         for app in arg
         if hasattr(app, "_bound_deployment")
-        and app._bound_deployment.name.startswith("EngineServer")
     ]
-    router = engines[0]._deployment_config.request_router_config
-    assert cloudpickle.loads(router._serialized_request_router_cls) is LoadAwareRouter
+    return [d for d in bound if d.name.startswith("EngineServer")]
