@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +70,16 @@ MAX_TOKENS = 400
 READ_TIMEOUT_S = 180.0
 
 
-async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]:
+async def run_all(
+    base_url: str,
+    kill: asyncio.Event | None = None,
+    gaps: list[float] | None = None,
+    until: Callable[[], bool] | None = None,
+) -> list[str]:
     """PROMPTS[:12] streamed and PROMPTS[12:] whole, greedy; returns their texts. With `kill`,
-    set it once every stream has its first two chunks."""
+    set it once every stream has its first two chunks; with `gaps`, each stream's longest
+    wait between two chunks goes there; with `until`, each request is sent again as soon as
+    it ends, until until() holds, and must answer as the first time."""
     # A stream that stops for READ_TIMEOUT_S fails (its error shows) rather than hang its test.
     client = openai.AsyncOpenAI(
         base_url=base_url, api_key="unused", max_retries=0, timeout=READ_TIMEOUT_S
@@ -83,10 +90,13 @@ async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]
 
     async def streamed(prompt: str) -> str:
         nonlocal started
-        text, counted, request_id = [], False, None
+        text, counted, request_id, longest = [], False, None, 0.0
         try:
             stream = await client.completions.create(prompt=prompt, stream=True, **kwargs)
+            last = time.monotonic()
             async for chunk in stream:
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
                 text.append(chunk.choices[0].text)
                 request_id = chunk.id
                 if not counted and len(text) >= 2:  # the rest comes through its delta channel
@@ -95,12 +105,22 @@ async def run_all(base_url: str, kill: asyncio.Event | None = None) -> list[str]
                         kill.set()
         except openai.APIError as exc:  # which request, for the server's logs
             raise AssertionError(f"{request_id} failed after {len(text)} chunks: {exc!r}") from exc
+        if gaps is not None:
+            gaps.append(longest)
         return "".join(text)
 
     async def whole(prompt: str) -> str:
         return (await client.completions.create(prompt=prompt, **kwargs)).choices[0].text
 
-    tasks = [streamed(p) for p in PROMPTS[:12]] + [whole(p) for p in PROMPTS[12:]]
+    async def repeated(send: Callable[[str], Awaitable[str]], prompt: str) -> str:
+        text = await send(prompt)
+        while until is not None and not until():
+            again = await send(prompt)
+            assert again == text, differences([again], [text])
+        return text
+
+    tasks = [repeated(streamed, p) for p in PROMPTS[:12]]
+    tasks += [repeated(whole, p) for p in PROMPTS[12:]]
     return list(await asyncio.gather(*tasks))
 
 

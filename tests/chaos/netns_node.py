@@ -3,7 +3,7 @@
 The head (ingress, Serve's proxy) and worker A are raylets of this process
 (ray.cluster_utils) at 10.231.N.1; worker B is `ray start --block` inside a network namespace
 of its own at 10.231.N.2, joined to the root namespace by a veth pair. One engine replica runs
-on each worker; once B's replica decodes its share of the requests, B's link goes down (its
+on each worker; once B's replica streams its share of the requests, B's link goes down (its
 processes live on, unreachable; requests not yet sent may go to B after). If Serve's router
 sent B none, they run again (up to 3 times). Serve's health checks find B's replica
 unresponsive and it is stopped; the requests it held resume at A's replica. Ray's own node
@@ -33,6 +33,8 @@ NODE_HEALTH = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 5,
 }
+# The deltas B's replica has streamed through its channels before its link is cut.
+STREAMED = 16
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -139,17 +141,22 @@ def main() -> dict:
         result["one_replica_per_worker"] = len(before) == 2 and len(on_b) == 1
         cut_at: list[float] = []
 
-        def decoding_at_b() -> int:
+        def streaming_from_b() -> bool:
+            """B's replica decodes some requests and has streamed their deltas to the
+            ingress (past their first: a request cut off before its first delta is sent
+            again from its prompt, not resumed)."""
             (rid,) = on_b
             stats = handle.stats.remote(replica_id=rid).result(timeout_s=10)
-            return stats["num_decoding"] if stats["replica_id"] == rid else 0
+            if stats["replica_id"] != rid:
+                return False
+            return stats["num_decoding"] > 0 and stats["channel_deltas_total"] >= STREAMED
 
         async def run_and_cut() -> list[str]:
-            """The requests, and B's link cut once B's replica decodes some of them (not
+            """The requests, and B's link cut once B's replica streams some of them (not
             once every stream started: B may finish its share before A's streams start)."""
             run = asyncio.create_task(run_all(f"{base}/v1"))
             while not run.done():
-                if await asyncio.to_thread(decoding_at_b):
+                if await asyncio.to_thread(streaming_from_b):
                     _ip("link", "set", host_link, "down")
                     cut_at.append(time.monotonic())
                     stage("link cut")
@@ -161,7 +168,7 @@ def main() -> dict:
             texts = asyncio.run(run_and_cut())
             if cut_at:
                 break
-            stage("no request decoding at B's replica: running them again")
+            stage("no request streamed from B's replica: running them again")
         result["cut"] = bool(cut_at)
         result["seconds_after_cut"] = round(time.monotonic() - cut_at[0], 1) if cut_at else None
         stage("requests done")
