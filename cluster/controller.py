@@ -23,7 +23,6 @@ non-detached one made by a replica would die with that replica on scale-down.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
@@ -62,20 +61,25 @@ class ClusterController:
         context = serve.get_replica_context()
         self.record_key = live_settings.key(context.app_name, engine_deployment)
         self.deployed = deployed
-        self.checked_at = -math.inf
-        self._take_settings(time.monotonic())
+        self.checked_at = time.monotonic()
+        self._apply(live_settings.read(self.record_key, self.deployed))
         self.tuning = None
         if tuning is not None and traffic_trace is not None:
             self.tuning = TuningLoop(tuning, traffic_trace, self.record_key)
             self._tuning_task = asyncio.get_running_loop().create_task(self.tuning.run())
 
-    def _take_settings(self, now: float) -> None:
-        """Run every replica under the model's applied settings, if newer than those in
-        force, from its next report on."""
+    async def _take_settings(self, now: float) -> None:
+        """Look for settings applied to the running app, at most every SETTINGS_CHECK_S. The
+        record is read off the event loop: a GCS call that waits while the GCS is slow
+        would hold every replica's report."""
         if now - self.checked_at < SETTINGS_CHECK_S:
             return
         self.checked_at = now
-        applied = live_settings.read(self.record_key, self.deployed)
+        self._apply(await asyncio.to_thread(live_settings.read, self.record_key, self.deployed))
+
+    def _apply(self, applied: live_settings.LiveSettings | None) -> None:
+        """Run every replica under the model's applied settings, if newer than those in
+        force, from its next report on."""
         if applied is None or applied.version == self.version:
             return
         factory = policy_factory(applied.batching, applied.max_num_seqs)
@@ -84,12 +88,12 @@ class ClusterController:
 
     async def report(self, stats: ReplicaStats) -> ControlDecision:
         now = time.monotonic()
-        self._take_settings(now)
+        await self._take_settings(now)
         return self.control.report(stats, now)
 
     async def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        self._take_settings(now)
+        await self._take_settings(now)
         view = self.control.view(now)
         view["controller_uptime_s"] = round(time.time() - self.started_at, 3)
         view["policy"], view["settings_version"] = self.policy, self.version

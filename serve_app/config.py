@@ -200,6 +200,19 @@ class EngineReplicaArgs(ReplicaArgs):
     )
 
 
+class DisaggregationArgs(_Strict):
+    """Prefill and decode on separate engine replicas (docs/cluster.md, "Disaggregated
+    prefill and decode"): a request's prompt is computed at a prefill replica, which sends
+    its first token and then moves the sequence, with the prompt's KV, to a decode replica
+    (`engine_replicas`, autoscaled as configured), where it decodes."""
+
+    prefill_replicas: EngineReplicaArgs = Field(
+        default_factory=lambda: EngineReplicaArgs(num_replicas=1),
+        description="The prefill pool's replicas: a fixed count, with the engine's settings; "
+        "num_cpus auto as for engine_replicas.",
+    )
+
+
 class ModelEntry(_Strict):
     """One model of an app that serves several (`models:`), each with its own engine
     replicas, controller and LoRA adapters behind the app's ingress. Its fields are the
@@ -331,6 +344,12 @@ class AppArgs(_Strict):
         default_factory=lambda: ReplicaArgs(num_cpus=0.5),
         description="OpenAI ingress replicas (tokenize, route, stream).",
     )
+    disaggregation: DisaggregationArgs | None = Field(
+        None,
+        description="Separate prefill and decode pools for every model: each request "
+        "prefills at a prefill replica and decodes at an engine replica, its KV moved "
+        "between them. Null: each engine replica does both (chunked prefill).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AppArgs:
@@ -360,6 +379,11 @@ class AppArgs(_Strict):
         except ValueError as exc:
             raise ValueError(f"batching: {exc}") from None
         self.emulated_label()  # a misspelt model or GPU fails the deploy, not the replicas
+        if self.disaggregation is not None and tp > 1:
+            raise ValueError(
+                "disaggregation: needs engine.tensor_parallel_size 1 (a tensor-parallel "
+                "replica's KV does not move yet)"
+            )
         if self.tuning.auto:
             if not self.trace.enabled or not self.controller.enabled:
                 raise ValueError("tuning.auto: needs trace.enabled and controller.enabled")

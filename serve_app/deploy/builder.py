@@ -35,6 +35,8 @@ _INGRESS_MAX_ONGOING = 4096
 # the replicas: the ingress sends most engine calls to a replica's actor itself, past the
 # handle that would otherwise count them. Both sides read it.
 _REQUESTS_COUNTED_AT_REPLICAS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
+# A model's prefill pool, with `disaggregation` (EngineServer replicas, prefill_only).
+PREFILL_SERVER = "PrefillServer"
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:
@@ -61,6 +63,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         )
     cpus = RayCpus.found()
     engines, controllers, lora_boards = [], [], []
+    prefill_engines: list[Application | None] = []
     for model_args in models:
         named = model_args.model_name if len(models) > 1 else None
         controller = None
@@ -85,6 +88,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             ).bind(dict(model_args.engine.lora.adapters))
         engine = _engine(model_args, named, controller, board, cpus, len(models))
         engines.append(engine)
+        prefill_engines.append(_prefill_engine(model_args, named, board, cpus, len(models)))
         controllers.append(controller)
         lora_boards.append(lora_board)
     ingress_res = app_args.ingress_replicas
@@ -112,7 +116,16 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 | _REQUESTS_COUNTED_AT_REPLICAS
             },
         },
-    ).bind(engines, [m.model_dump() for m in models], controllers, board, lora_boards, store, trace)
+    ).bind(
+        engines,
+        [m.model_dump() for m in models],
+        controllers,
+        board,
+        lora_boards,
+        store,
+        trace,
+        prefill_engines,
+    )
 
 
 def deployment_name(base: str, model_name: str | None) -> str:
@@ -124,6 +137,20 @@ def deployment_name(base: str, model_name: str | None) -> str:
     return f"{base}-{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}"
 
 
+def _prefill_engine(
+    app_args: AppArgs, named: str | None, board: Application, cpus: RayCpus, num_models: int
+) -> Application | None:
+    """With `disaggregation`, one model's prefill pool: engine replicas of the same build
+    that hand every sequence on after its first token, a fixed count, no controller."""
+    if app_args.disaggregation is None:
+        return None
+    pool = app_args.model_copy(
+        update={"engine_replicas": app_args.disaggregation.prefill_replicas, "autoscaling": None}
+    )
+    name = deployment_name(PREFILL_SERVER, named)
+    return _engine(pool, named, None, board, cpus, num_models, name=name, prefill_only=True)
+
+
 def _engine(
     app_args: AppArgs,
     named: str | None,
@@ -131,9 +158,11 @@ def _engine(
     board: Application,
     cpus: RayCpus,
     num_models: int,
+    name: str | None = None,
+    prefill_only: bool = False,
 ) -> Application:
     """One model's engine deployment (`named`: the model's name where the app serves
-    several)."""
+    several; `name`: the deployment's, EngineServer's by default)."""
     engine_share = engine_cpus(app_args, cpus, num_models)
     actor_options, placement = _engine_placement(app_args, engine_share)
     # The replica's handles (to the controller and the metrics board) route on its own loop:
@@ -155,7 +184,7 @@ def _engine(
         )
     actor_options["runtime_env"] = {"env_vars": engine_env}
     return EngineServer.options(
-        name=deployment_name(EngineServer.name, named),
+        name=name or deployment_name(EngineServer.name, named),
         **scaling,
         max_ongoing_requests=app_args.replica_capacity + _ROUTER_SLACK,
         health_check_period_s=app_args.health.check_period_s,
@@ -170,7 +199,7 @@ def _engine(
             | {"block_size": app_args.engine.block_size},
             request_routing_stats_period_s=1.0,
         ),
-    ).bind(app_args.model_dump(), controller, board)
+    ).bind(app_args.model_dump(), controller, board, prefill_only)
 
 
 @functools.cache

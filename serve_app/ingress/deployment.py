@@ -52,9 +52,11 @@ class OpenAIIngress:
         lora_boards: list[DeploymentHandle | None],
         response_store: DeploymentHandle | None = None,
         traffic_trace: DeploymentHandle | None = None,
+        prefill_engines: list[DeploymentHandle | None] | None = None,
     ) -> None:
-        """One engine deployment, args, controller and LoRA board per model served (the
-        app-wide fields of the args are the same in each)."""
+        """One engine deployment, args, controller, LoRA board and prefill pool (with
+        `disaggregation`, else None) per model served (the app-wide fields of the args are
+        the same in each)."""
         replica_logs.into_replica_log()
         declared = [AppArgs.model_validate(args) for args in models]
         first = declared[0]
@@ -79,9 +81,15 @@ class OpenAIIngress:
                 tracer,
                 created,
                 recorder,
+                prefill,
             )
-            for args, engine, controller, board in zip(
-                declared, engines, controllers, lora_boards, strict=True
+            for args, engine, controller, board, prefill in zip(
+                declared,
+                engines,
+                controllers,
+                lora_boards,
+                prefill_engines or [None] * len(engines),
+                strict=True,
             )
         ]
         self.models = app.state.models = ServedModels(served)

@@ -40,14 +40,19 @@ class OpsState:
 
 
 async def health(ops: OpsState) -> Response:
-    """200 while every model has an engine replica that answers its health check; else 503
-    naming the models without one (for load balancers: this ingress cannot serve them)."""
+    """200 while every model has an engine replica that answers its health check (and one
+    of its prefill pool, where it has one); else 503 naming the models without one (for
+    load balancers: this ingress cannot serve them)."""
 
     async def reason(served: ServedModel) -> str | None:
-        try:
-            await asyncio.wait_for(served.engine.check_health.remote(), ops.health.check_timeout_s)
-        except Exception as exc:  # none running, all failing, or none answering in time
-            return f"no engine replica is healthy: {type(exc).__name__}: {exc}"[:500]
+        pools = {"engine replica": served.engine, "prefill replica": served.prefill}
+        for pool, handle in pools.items():
+            if handle is None:
+                continue
+            try:
+                await asyncio.wait_for(handle.check_health.remote(), ops.health.check_timeout_s)
+            except Exception as exc:  # none running, all failing, or none answering in time
+                return f"no {pool} is healthy: {type(exc).__name__}: {exc}"[:500]
         return None
 
     models = ops.models.all

@@ -47,6 +47,7 @@ class ServedModel:
     completions: CompletionsService
     responses: ResponsesService
     embeddings: EmbeddingsService
+    prefill: DeploymentHandle | None = None  # its prefill pool (`disaggregation`)
 
     @staticmethod
     def started(
@@ -60,9 +61,11 @@ class ServedModel:
         tracer,
         created: int,
         trace: TraceRecorder | None = None,
+        prefill: DeploymentHandle | None = None,
     ) -> ServedModel:
         """`declared`: the model's args as deployed; `owner`: this ingress replica's actor
-        (its engine replicas end its requests if it dies)."""
+        (its engine replicas end its requests if it dies); `prefill`: the model's prefill
+        pool (`disaggregation`)."""
         args = declared.with_local_model(weights=False)  # its tokenizer, not the weights
         name = args.model_name
         # The engines resolve `auto` the same way, from the same config.json.
@@ -83,6 +86,7 @@ class ServedModel:
             args.retry_after_s,
             args.request_timeout_s,
             model_metrics.sequence_resumed,
+            prefill,
         )
         metrics.watch_path(client)
         path = RequestPath(
@@ -108,6 +112,7 @@ class ServedModel:
             CompletionsService(path),
             ResponsesService(path, response_store),
             EmbeddingsService(path),
+            prefill,
         )
 
     def card(self) -> dict[str, Any]:

@@ -112,6 +112,8 @@ _PATH_COUNTERS = (
      "num_direct_calls", False),
     ("engine_calls_routed", "Engine calls sent through Serve's handle.", "num_handle_calls",
      False),
+    ("sequences_handed_on", "Sequences moved with their KV from a prefill replica to a decode "
+     "replica (disaggregation).", "num_handed_on", False),
     ("channel_messages", "Delta channel messages taken.", "num_messages", True),
     ("channel_deltas", "Request deltas those messages held.", "num_deltas", True),
     ("response_wakeups", "Wake-ups of streamed responses for deltas.", "num_wakeups", True),

@@ -49,7 +49,10 @@ class EngineServer:
         args: dict[str, Any] | AppArgs,
         controller: DeploymentHandle | None = None,
         metrics_board: DeploymentHandle | None = None,
+        prefill_only: bool = False,
     ) -> None:
+        """`prefill_only`: a prefill pool's replica (`disaggregation`): each sequence moves
+        on, with its KV, once its first token is out."""
         from engine.async_engine import AsyncLLMEngine
         from engine.llm_engine import LLMEngine
 
@@ -87,6 +90,8 @@ class EngineServer:
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
         self.moves = SequenceMoves(self.engine, self.replica_id)
+        self.prefill_only = prefill_only
+        self.num_handed_on = 0  # sequences a prefill replica moved on after their first token
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.outboxes.watch_owners())]
         if self.args.health.move_on_stop and self.moves.drain.readable:
@@ -169,6 +174,9 @@ class EngineServer:
             outbox = self.outboxes.open(watched) if watched is not None else None
             try:
                 yield first if channel is None else ChannelledFirst(first, self.replica_id)
+                if self.prefill_only and not first.finished:
+                    # Its prompt is computed: it decodes at a decode replica, with the KV.
+                    self.num_handed_on += await self.engine.move_out([request_id])
                 held: RequestOutput | None = None
                 try:
                     async for out in stream:
@@ -232,6 +240,8 @@ class EngineServer:
             num_rejected_total=self.num_rejected_total,
             step_seconds_total=self.engine.step_seconds_total,
             controlled=self.controller is not None,
+            prefill_only=self.prefill_only,
+            num_handed_on=self.num_handed_on,
             decision=asdict(self.decision),
             num_reports_ok=self.num_reports_ok,
             num_report_failures=self.num_report_failures,

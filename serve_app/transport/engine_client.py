@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -75,6 +74,7 @@ class Started:
     stream: RequestStream
     first: RequestOutput
     replica_id: str | None  # None: the replica streams on the call (no delta channels)
+    at_prefill: bool = False  # at a prefill replica, which hands it on after its first token
 
     def cancel(self) -> None:
         self.stream.close()
@@ -90,10 +90,18 @@ class EngineClient:
         retry_after_s: float,
         request_timeout_s: float,
         on_resume: Callable[[], None] = lambda: None,
+        prefill: DeploymentHandle | None = None,
     ) -> None:
+        """`prefill`: the model's prefill pool (`disaggregation`), where every sequence
+        starts; `engine` then takes each one with its KV after its first token."""
         # The method's handle, made once (a handle's attribute makes a new one each time).
         self.generate = engine.options(stream=True).generate
         self.direct = DirectCalls(self.generate, "generate")
+        self.prefill_generate = self.prefill_direct = None
+        if prefill is not None:
+            self.prefill_generate = prefill.options(stream=True).generate
+            self.prefill_direct = DirectCalls(self.prefill_generate, "generate")
+        self.num_handed_on = 0  # sequences that went from a prefill replica to a decode one
         self.num_direct_calls = 0  # sends straight to a replica's actor (/metrics)
         self.num_handle_calls = 0  # sends through Serve's handle
         self.caller = caller
@@ -149,8 +157,10 @@ class EngineClient:
         """The sequence's deltas, from one replica after another while replicas die."""
         tokens: list[int] = []
         chars = 0
-        for resumes in itertools.count():
+        lost = 0  # replicas it lost
+        while True:
             kv = left = None  # a moved sequence's KV, and the call at the replica it left
+            handed_on = False  # from its prefill replica, as every sequence there is
             try:
                 async with contextlib.aclosing(started.stream.deltas(started.first)) as outs:
                     async for out in outs:
@@ -158,17 +168,21 @@ class EngineClient:
                         chars += len(out.new_text)
                         yield out
                 return
-            except SequenceLeft as moved:  # its replica is stopping: on with its KV
-                kv, left = await moved.kv, started
-                logger.info(
-                    "request %s moved after %d tokens (%s KV)",
-                    seq.request_id,
-                    len(tokens),
-                    "with" if kv is not None else "without",
-                )
+            except SequenceLeft as moved:  # prefilled, or its replica is stopping: on with its KV
+                kv, left, handed_on = await moved.kv, started, started.at_prefill
+                if handed_on:
+                    self.num_handed_on += 1
+                else:
+                    logger.info(
+                        "request %s moved after %d tokens (%s KV)",
+                        seq.request_id,
+                        len(tokens),
+                        "with" if kv is not None else "without",
+                    )
             except _REPLICA_LOST as exc:
-                if resumes == _MAX_RESUMES:
-                    message = f"the request lost {resumes + 1} engine replicas in a row"
+                lost += 1
+                if lost > _MAX_RESUMES:
+                    message = f"the request lost {lost} engine replicas in a row"
                     raise OpenAIError.server_error(503, message) from None
                 logger.warning(
                     "request %s lost its engine replica after %d tokens (%r): resuming",
@@ -180,7 +194,8 @@ class EngineClient:
                 logger.exception("request %s failed mid-stream", seq.request_id)
                 message = f"engine error: {type(exc).__name__}"
                 raise OpenAIError.server_error(500, message) from None
-            self.on_resume()
+            if not handed_on:
+                self.on_resume()
             seq.deadline = time.monotonic() + self.request_timeout_s
             seq.params = dataclasses.replace(seq.params, prompt_logprobs=None)  # sent already
             try:
@@ -219,7 +234,14 @@ class EngineClient:
         # hold its id at a replica that stopped answering.
         seq.num_sends += 1
         request_id = seq.request_id if seq.num_sends == 1 else f"{seq.request_id}~{seq.num_sends}"
-        stream = RequestStream(request_id, self.channels)
+        # A sequence starts at a prefill replica, where there is a prefill pool; it streams
+        # its few deltas there on the call (the pool's replicas are not the channels').
+        at_prefill = resume is None and self.prefill_direct is not None
+        direct, generate = self.direct, self.generate
+        if at_prefill:
+            direct, generate = self.prefill_direct, self.prefill_generate
+        channels = None if at_prefill else self.channels
+        stream = RequestStream(request_id, channels)
         args = (
             request_id,
             seq.prep.prompt_token_ids,
@@ -231,15 +253,15 @@ class EngineClient:
         kwargs = {
             "replica_id": replica_id,
             "resume": resume,
-            "caller": None if self.channels is not None else self.caller,
+            "caller": None if channels is not None else self.caller,
             "lora": seq.prep.lora,
         }
         try:
-            stream.call = self.direct.send(request_id, *args, **kwargs)
+            stream.call = direct.send(request_id, *args, **kwargs)
             if stream.call is not None:
                 self.num_direct_calls += 1
             else:  # no replica known to have room: Serve's routing waits, probes, backs off
-                stream.call = self.generate.remote(*args, **kwargs)
+                stream.call = generate.remote(*args, **kwargs)
                 self.num_handle_calls += 1
             first, at = await self._first(stream)
         except BaseException:  # an error answer, or the client left before the first token
@@ -247,7 +269,7 @@ class EngineClient:
             if stream.call is not None:
                 stream.call.cancel()
             raise
-        return Started(stream, first, at)
+        return Started(stream, first, at, at_prefill)
 
     async def _first(self, stream: RequestStream) -> tuple[RequestOutput, str | None]:
         """The engine's first delta and the replica streaming the rest on a channel, or the

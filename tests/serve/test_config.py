@@ -247,3 +247,29 @@ def _engine_deployments(ingress) -> list:
         if hasattr(app, "_bound_deployment")
     ]
     return [d for d in bound if d.name.startswith("EngineServer")]
+
+
+def test_disaggregation_adds_a_prefill_pool_per_model(tiny_model: str):
+    """A prefill deployment of EngineServer replicas in prefill_only mode, its own fixed
+    count and CPUs, beside the decode pool (the engine deployment, autoscaled as set); a
+    tensor-parallel engine is refused (its KV does not move yet)."""
+    from serve_app import build_app
+    from serve_app.deploy.builder import PREFILL_SERVER
+
+    args = dict(deploy_yaml_args(), model=tiny_model)
+    args["disaggregation"] = {"prefill_replicas": {"num_replicas": 3, "num_cpus": 0.25}}
+    ingress = build_app(args)._bound_deployment
+    (prefill_pool,) = [app._bound_deployment for app in ingress.init_args[7]]
+    assert prefill_pool.name == PREFILL_SERVER
+    assert prefill_pool._deployment_config.num_replicas == 3
+    assert prefill_pool._deployment_config.autoscaling_config is None
+    assert prefill_pool.ray_actor_options["num_cpus"] == 0.25
+    assert prefill_pool.init_args[1] is None and prefill_pool.init_args[3] is True
+    (decode_pool,) = _engine_deployments(ingress)
+    assert decode_pool.init_args[3] is False
+    assert decode_pool._deployment_config.autoscaling_config is not None  # deploy.yaml's
+    plain = build_app(dict(deploy_yaml_args(), model=tiny_model))._bound_deployment
+    assert plain.init_args[7] == [None]
+    tp = args | {"engine": {"tensor_parallel_size": 2}}
+    with pytest.raises(ValueError, match="disaggregation: needs engine.tensor_parallel_size 1"):
+        AppArgs.model_validate(tp)

@@ -1,0 +1,111 @@
+"""An app with separate prefill and decode pools (`disaggregation`, issue 59 item 2), one
+engine replica each: every sequence prefills at the prefill replica, which sends its first
+token and moves it with its prompt's KV to the decode replica. Over HTTP with the openai
+client: greedy tokens are transformers' generate's, seeded sampling gives the colocated
+app's tokens, a one-token request ends at the prefill replica, every handed-on sequence
+came with its KV (no prompt computed twice), and both replicas end with every block free."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from serve_app.deploy.builder import PREFILL_SERVER
+from tests.engine.oracle import HFOracle
+from tests.local_serve import ServeCluster, app_args
+
+pytestmark = pytest.mark.timeout(300)
+
+APP = "pd"
+PROMPTS = ["Split the work:", "Prefill here, decode there, and the cache moves between them"]
+
+
+@pytest.fixture(scope="module")
+def pd_app(serve_cluster: ServeCluster) -> Iterator[str]:
+    from ray import serve
+
+    from serve_app import build_app
+
+    args = app_args(
+        serve_cluster.model,
+        engine_replicas={"num_replicas": 1, "num_cpus": 0},
+        disaggregation={"prefill_replicas": {"num_replicas": 1, "num_cpus": 0}},
+    )
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    yield APP
+    serve.delete(APP)
+
+
+def _stats(deployment: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, app_name=APP).stats.remote().result()
+
+
+def _all_free(timeout: float = 30.0) -> tuple[dict, dict]:
+    """The prefill and decode replicas' stats once both hold no block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        prefill, decode = _stats(PREFILL_SERVER), _stats("EngineServer")
+        if prefill["num_used_blocks"] == decode["num_used_blocks"] == 0:
+            return prefill, decode
+        assert time.monotonic() < deadline, (prefill, decode)
+        time.sleep(0.2)
+
+
+def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
+    serve_cluster: ServeCluster, pd_app: str
+):
+    client = openai.OpenAI(base_url=serve_cluster.v1(APP), api_key="unused", max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(serve_cluster.model)
+    oracle = HFOracle(serve_cluster.model)
+    before_prefill, before_decode = _all_free()
+    ingress_before = _handed_on_at_ingress(serve_cluster)
+    sent = 0
+    for text in PROMPTS:
+        prompt = tokenizer.encode(text)
+        want = tokenizer.decode(oracle.greedy(prompt, 24))
+        kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        kwargs["extra_body"] = {"ignore_eos": True}
+        whole = client.completions.create(**kwargs)
+        stream = client.completions.create(**kwargs, stream=True)
+        streamed = "".join(chunk.choices[0].text for chunk in stream)
+        assert (whole.choices[0].text, streamed) == (want, want)
+        sent += 2
+    # Seeded sampling draws by the seed and the token's index: the same across the move.
+    sampled = {"prompt": PROMPTS[1], "max_tokens": 32, "temperature": 0.9, "seed": 7}
+    colocated = openai.OpenAI(base_url=serve_cluster.v1(), api_key="unused", max_retries=0)
+    want = colocated.completions.create(model="tiny", **sampled).choices[0].text
+    assert client.completions.create(model="tiny", **sampled).choices[0].text == want
+    sent += 1
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    sent += 1
+    # One token: it ends where it prefilled, nothing to move.
+    one = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1)
+    assert one.choices[0].finish_reason == "length"
+
+    prefill, decode = _all_free()
+    handed_on = prefill["num_handed_on"] - before_prefill["num_handed_on"]
+    moved_in = decode["num_moved_in"] - before_decode["num_moved_in"]
+    carried = decode["num_kv_carried"] - before_decode["num_kv_carried"]
+    assert handed_on == moved_in == carried == sent, (prefill, decode)
+    assert decode["num_kv_refused"] == decode["num_kv_fetch_failures"] == 0, decode
+    assert _handed_on_at_ingress(serve_cluster) - ingress_before == sent
+
+
+def _handed_on_at_ingress(serve_cluster: ServeCluster) -> float:
+    """The ingress's count of sequences handed from a prefill replica to a decode one."""
+    metrics = httpx.get(f"{serve_cluster.base_url}/{APP}/metrics", timeout=10).text
+    (line,) = [x for x in metrics.splitlines() if x.startswith(_HANDED_ON)]
+    return float(line.rsplit(" ", 1)[1])
+
+
+_HANDED_ON = "dynabatch_ingress_sequences_handed_on_total "
