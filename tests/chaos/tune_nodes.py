@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,12 @@ def _running_a_trial(node) -> bool:
     return False
 
 
+def _signal_all(node, sig: int) -> None:
+    for process in _started_by(node):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(sig)
+
+
 def _lose(cluster, node) -> None:
     """The node gone as a machine goes: its raylet and every process it started (a worker
     cut off from its raylet would otherwise finish the trial it runs)."""
@@ -87,9 +94,16 @@ def tune_across(cluster, out: Path) -> dict[str, Any]:
 
         def remove_once_it_ran_a_trial(trial: dict[str, Any]) -> None:
             # Once it has landed a trial and while it runs another: that one is lost with it.
-            if not removed and pool.nodes[victim.node_id] and _running_a_trial(victim):
+            # Its processes stopped while we look, so the trial it runs cannot end meanwhile
+            # (a short trial did, its result landed, and nothing was lost).
+            if removed or not pool.nodes[victim.node_id]:
+                return
+            _signal_all(victim, signal.SIGSTOP)
+            if _running_a_trial(victim):
                 _lose(cluster, victim)
                 removed.append(pool.nodes[victim.node_id])
+            else:
+                _signal_all(victim, signal.SIGCONT)
 
         there, complete = search(
             problem, space, BUDGET, out / "there.jsonl", pool, SEED, remove_once_it_ran_a_trial
