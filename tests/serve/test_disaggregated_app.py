@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 APP = "pd"
 PROMPTS = ["Split the work:", "Prefill here, decode there, and the cache moves between them"]
+HANDED_ON = "dynabatch_ingress_sequences_handed_on_total "
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,13 @@ def _all_free(timeout: float = 30.0) -> tuple[dict, dict]:
             return prefill, decode
         assert time.monotonic() < deadline, (prefill, decode)
         time.sleep(0.2)
+
+
+def _handed_on_at_ingress(serve_cluster: ServeCluster) -> float:
+    """The ingress's count of sequences handed from a prefill replica to a decode one."""
+    metrics = httpx.get(f"{serve_cluster.base_url}/{APP}/metrics", timeout=10).text
+    (line,) = [x for x in metrics.splitlines() if x.startswith(HANDED_ON)]
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
@@ -99,13 +107,3 @@ def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
     assert handed_on == moved_in == carried == sent, (prefill, decode)
     assert decode["num_kv_refused"] == decode["num_kv_fetch_failures"] == 0, decode
     assert _handed_on_at_ingress(serve_cluster) - ingress_before == sent
-
-
-def _handed_on_at_ingress(serve_cluster: ServeCluster) -> float:
-    """The ingress's count of sequences handed from a prefill replica to a decode one."""
-    metrics = httpx.get(f"{serve_cluster.base_url}/{APP}/metrics", timeout=10).text
-    (line,) = [x for x in metrics.splitlines() if x.startswith(_HANDED_ON)]
-    return float(line.rsplit(" ", 1)[1])
-
-
-_HANDED_ON = "dynabatch_ingress_sequences_handed_on_total "
