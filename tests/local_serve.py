@@ -135,6 +135,15 @@ class ServeCluster:
         return seen
 
 
+def metric_total(app_url: str, *samples: str) -> float:
+    """The sum of an app's /metrics samples whose lines start with one of `samples` (a
+    metric's name with its labels and the space before the value); 0 where none is there."""
+    import httpx
+
+    metrics = httpx.get(f"{app_url}/metrics", timeout=10).text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith(samples))
+
+
 @pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
     from ray import serve

@@ -14,11 +14,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
-from tests.local_serve import ServeCluster, app_args
+from tests.local_serve import ServeCluster, app_args, metric_total
 
 APP = "chaos"
 
@@ -168,11 +167,7 @@ async def run_with_fault(base_url: str, fault: Callable[[], None]) -> list[str]:
 
 def sequences_resumed(app_url: str, model: str = "tiny") -> float:
     """The app's count of `model`'s sequences resumed at another replica (its /metrics)."""
-    metrics = httpx.get(f"{app_url}/metrics", timeout=10).text
-    for line in metrics.splitlines():
-        if line.startswith(f'dynabatch_sequences_resumed_total{{model="{model}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric_total(app_url, f'dynabatch_sequences_resumed_total{{model="{model}"}} ')
 
 
 def differences(texts: list[str], expected: list[str]) -> list[dict[str, int]]:

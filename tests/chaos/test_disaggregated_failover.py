@@ -15,14 +15,13 @@ import signal
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 
 from loadtests.soak.cli import engine_stats
 from serve_app.deploy.builder import PREFILL_SERVER
 from tests.chaos.conftest import chaos_args, sequences_resumed
-from tests.local_serve import ServeCluster
+from tests.local_serve import ServeCluster, metric_total
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,12 +99,11 @@ def _free_everywhere(timeout: float = 120.0) -> None:
 
 def _engine_calls(serve_cluster: ServeCluster) -> float:
     """The ingress's engine calls, direct and through Serve's handle (sends again included)."""
-    metrics = httpx.get(f"{serve_cluster.base_url}/{APP}/metrics", timeout=10).text
-    names = (
+    return metric_total(
+        f"{serve_cluster.base_url}/{APP}",
         "dynabatch_ingress_engine_calls_direct_total ",
         "dynabatch_ingress_engine_calls_routed_total ",
     )
-    return sum(float(x.rsplit(" ", 1)[1]) for x in metrics.splitlines() if x.startswith(names))
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from serve_app.deploy.builder import PREFILL_SERVER
 from tests.engine.oracle import HFOracle
-from tests.local_serve import ServeCluster, app_args
+from tests.local_serve import ServeCluster, app_args, metric_total
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,9 +60,7 @@ def _all_free(timeout: float = 30.0) -> tuple[dict, dict]:
 
 def _handed_on_at_ingress(serve_cluster: ServeCluster) -> float:
     """The ingress's count of sequences handed from a prefill replica to a decode one."""
-    metrics = httpx.get(f"{serve_cluster.base_url}/{APP}/metrics", timeout=10).text
-    (line,) = [x for x in metrics.splitlines() if x.startswith(HANDED_ON)]
-    return float(line.rsplit(" ", 1)[1])
+    return metric_total(f"{serve_cluster.base_url}/{APP}", HANDED_ON)
 
 
 def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
