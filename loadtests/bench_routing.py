@@ -3,9 +3,12 @@ first `prefix_tokens` tokens (`routing.prefix_affinity`, the default), on multi-
 conversations that share one system prompt: the share of prompt tokens found in the engine
 replicas' prefix caches, TTFT, and preemptions. Two apps of two engine replicas each, the
 same but for their routing, on one local Serve; the same conversations go to one, then the
-other (`--rounds` alternates them).
+other (`--rounds` alternates them). Each replica runs `--threads` threads (one: a core
+apiece, as each would have a GPU of its own; where both used every core, two replicas
+prefilling at once would compete for the cores one replica had to itself).
 
-    python -m loadtests.bench_routing [--model tiny] [--conversations 20] [--turns 3] [--json]
+    python -m loadtests.bench_routing [--model small --served-name small --kv-cache-mib 96]
+        [--conversations 20] [--turns 3] [--json]
 
 Each conversation's prompts are token ids: the system prompt, then each turn's user message
 and a fixed assistant reply, as a replayed trace holds them, so each turn's prompt extends
@@ -153,6 +156,7 @@ def app_args(opts: argparse.Namespace, routing: dict[str, Any]):
         "served_model_name": opts.served_name,
         "engine.kv_cache_bytes": opts.kv_cache_mib << 20,
         "engine.max_model_len": opts.max_model_len,
+        "engine.num_threads": opts.threads or None,
         "engine.speculative.enabled": False,
         "engine.lora.enabled": False,
         "engine.lora.adapters": {},
@@ -266,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mib", type=int, default=4, help="each engine replica's KV cache")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--threads", type=int, default=1, help="each engine replica's threads (0: every core)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="last line: the result as JSON")
     return p
