@@ -134,6 +134,18 @@ class AutoscalingArgs(_Strict):
             exclude={"initial_replicas", "metrics_interval_s", "look_back_period_s"}
         )
 
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingArgs:
+        from cluster.autoscale import AutoscaleConfig
+
+        AutoscaleConfig(**self.rule_config())
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError("initial_replicas must be within min_replicas and max_replicas")
+        return self
+
 
 class RoutingArgs(_Strict):
     """How the ingress picks an engine replica for each request."""
@@ -200,6 +212,30 @@ class EngineReplicaArgs(ReplicaArgs):
     )
 
 
+# Engine knobs a prefill pool may set apart from the decode pool: how it batches, caches and
+# runs, never what its KV or its first token is.
+PREFILL_ENGINE_KNOBS = frozenset(
+    {
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "batching",
+        "scheduling_policy",
+        "aging_s",
+        "preemption_mode",
+        "num_blocks",
+        "kv_cache_bytes",
+        "gpu_memory_fraction",
+        "enable_prefix_caching",
+        "num_host_blocks",
+        "swap_space_bytes",
+        "enforce_eager",
+        "overlap_steps",
+        "num_threads",
+        "speculative",
+    }
+)
+
+
 class DisaggregationArgs(_Strict):
     """Prefill and decode on separate engine replicas (docs/cluster.md, "Disaggregated
     prefill and decode"): a request's prompt is computed at a prefill replica, which sends
@@ -208,9 +244,31 @@ class DisaggregationArgs(_Strict):
 
     prefill_replicas: EngineReplicaArgs = Field(
         default_factory=lambda: EngineReplicaArgs(num_replicas=1),
-        description="The prefill pool's replicas: a fixed count, with the engine's settings; "
-        "num_cpus auto as for engine_replicas.",
+        description="The prefill pool's replicas (num_replicas unused with "
+        "prefill_autoscaling); num_cpus auto as for engine_replicas.",
     )
+    prefill_engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Over `engine` for the prefill pool, key by key: its batch and cache "
+        f"knobs ({', '.join(sorted(PREFILL_ENGINE_KNOBS))}). The rest (the model, dtype, "
+        "block size, KV dtype, context length) stay the decode pool's: its KV must be theirs.",
+    )
+    prefill_autoscaling: AutoscalingArgs | None = Field(
+        None,
+        description="Scale the prefill pool on its queue depth, as `autoscaling` the engine "
+        "replicas. Null: prefill_replicas.num_replicas, fixed.",
+    )
+
+    @field_validator("prefill_engine")
+    @classmethod
+    def _prefill_knobs(cls, knobs: dict[str, Any]) -> dict[str, Any]:
+        for name in knobs:
+            if name not in PREFILL_ENGINE_KNOBS:
+                raise ValueError(
+                    f"{name}: not a knob the prefill pool sets apart from the decode pool "
+                    f"(one of {', '.join(sorted(PREFILL_ENGINE_KNOBS))})"
+                )
+        return knobs
 
 
 class ModelEntry(_Strict):
@@ -388,21 +446,7 @@ class AppArgs(_Strict):
             if not self.trace.enabled or not self.controller.enabled:
                 raise ValueError("tuning.auto: needs trace.enabled and controller.enabled")
             tuning_plan(self, "")  # a knob or value it cannot tune fails the deploy
-        scaling = self.autoscaling
-        if scaling is not None:
-            from cluster.autoscale import AutoscaleConfig
-
-            try:
-                AutoscaleConfig(**scaling.rule_config())
-            except ValueError as exc:
-                raise ValueError(f"autoscaling: {exc}") from None
-            if scaling.look_back_period_s <= scaling.metrics_interval_s:
-                raise ValueError(
-                    "autoscaling.look_back_period_s must be greater than metrics_interval_s"
-                )
-            initial = scaling.initial_replicas
-            if initial is not None and not scaling.min_replicas <= initial <= scaling.max_replicas:
-                raise ValueError("autoscaling.initial_replicas must be within min and max")
+        self.prefill_pool()  # a knob the prefill pool may not change fails the deploy
         return self
 
     @field_validator("model")
@@ -480,6 +524,27 @@ class AppArgs(_Strict):
     def replica_capacity(self) -> int:
         """Requests one engine replica accepts at once: a full batch plus its queue."""
         return self.engine.max_num_seqs + self.max_queued_requests
+
+    def prefill_pool(self) -> AppArgs | None:
+        """With `disaggregation`, the args of the prefill pool's replicas: its engine knobs
+        over `engine`, its replicas and autoscaling in place of the engine replicas'; else
+        None. Raises ValueError naming a bad knob."""
+        pool = self.disaggregation
+        if pool is None or self.models:
+            return None
+        try:
+            engine = EngineArgs.model_validate(
+                merged(self.engine.model_dump(), pool.prefill_engine)
+            )
+        except ValueError as exc:
+            raise ValueError(f"disaggregation.prefill_engine.{first_error(exc)}") from None
+        return self.model_copy(
+            update={
+                "engine": engine,
+                "engine_replicas": pool.prefill_replicas,
+                "autoscaling": pool.prefill_autoscaling,
+            }
+        )
 
 
 def first_error(exc: ValueError) -> str:

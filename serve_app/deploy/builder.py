@@ -141,12 +141,11 @@ def _prefill_engine(
     app_args: AppArgs, named: str | None, board: Application, cpus: RayCpus, num_models: int
 ) -> Application | None:
     """With `disaggregation`, one model's prefill pool: engine replicas of the same build
-    that hand every sequence on after its first token, a fixed count, no controller."""
-    if app_args.disaggregation is None:
+    that hand every sequence on after its first token, with their own engine knobs and
+    autoscaling, no controller."""
+    pool = app_args.prefill_pool()
+    if pool is None:
         return None
-    pool = app_args.model_copy(
-        update={"engine_replicas": app_args.disaggregation.prefill_replicas, "autoscaling": None}
-    )
     name = deployment_name(PREFILL_SERVER, named)
     return _engine(pool, named, None, board, cpus, num_models, name=name, prefill_only=True)
 

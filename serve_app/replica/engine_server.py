@@ -318,6 +318,8 @@ class EngineServer:
             "capacity": self.capacity,
             "routing_weight": self.decision.routing_weight,
             "loras": self._held_loras(),
+            # Where a moved sequence's KV fits (free blocks, cached ones reclaimable).
+            "kv_free_blocks": self.engine.engine.scheduler.kv_cache.num_free_blocks,
         }
         if self.args.routing.kv_aware:
             held = self.engine.between_steps(lambda e: e.cached_blocks(_PUBLISHED_BLOCKS))

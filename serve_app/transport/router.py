@@ -13,7 +13,10 @@ blocks its prefix cache holds is lowest (the replicas publish their blocks' keys
 routing stats every second). A request with a LoRA adapter
 goes first to the least loaded replica that holds the adapter in a slot (its
 `record_routing_stats()` lists them), unless that one is busier than the least loaded by over
-`max_imbalance`; elsewhere the replica loads it.
+`max_imbalance`; elsewhere the replica loads it. A sequence that comes with its KV (moved
+from a stopping replica, or handed on by a prefill replica) goes to the least loaded replica
+whose free KV blocks (in its routing stats) hold its context, before any that cannot: there it
+is imported at once instead of waiting for blocks, or preempting others to get them.
 
 A call with a `replica_id` keyword (an ingress subscribing to its delta channel at one engine
 replica, serve_app.transport.delta_channel) goes to that replica while this router knows
@@ -132,6 +135,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         # Shuffle first so equally loaded replicas share the work.
         ranked = random.sample(candidates, len(candidates))
         ranked.sort(key=self.replica_load)
+        resume = kwargs.get("resume")
+        if resume is not None and resume.kv is not None and len(ranked) > 1:
+            context = len(_prompt_of(args) or ()) + len(resume.output_token_ids)
+            need = -(-context // self.block_size)
+            return with_room_first(ranked, _free_blocks, need)
         lora = kwargs.get("lora")
         if lora is not None and len(ranked) > 1:
             ranks = adapter_first(
@@ -170,6 +178,19 @@ def adapter_first(
     if holders and load(holders[0]) - load(ranked[0]) <= max_imbalance:
         return [holders, [r for r in ranked if r not in holders]]
     return None
+
+
+def with_room_first(ranked: list[R], free: Callable[[R], int | None], need: int) -> list[list[R]]:
+    """The replicas with `need` free KV blocks or more (or not saying: older ones), in the
+    order of `ranked` (least loaded first), then the rest."""
+    roomy = [r for r in ranked if (n := free(r)) is None or n >= need]
+    if not roomy or len(roomy) == len(ranked):
+        return [ranked]
+    return [roomy, [r for r in ranked if r not in roomy]]
+
+
+def _free_blocks(replica: RunningReplica) -> int | None:
+    return (replica.routing_stats or {}).get("kv_free_blocks")
 
 
 def _held_adapters(replica: RunningReplica) -> list[str]:

@@ -9,7 +9,12 @@ import time
 import httpx
 import pytest
 
-from serve_app.transport.router import adapter_first, prefix_key, rendezvous_choice
+from serve_app.transport.router import (
+    adapter_first,
+    prefix_key,
+    rendezvous_choice,
+    with_room_first,
+)
 from tests.local_serve import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,3 +162,13 @@ def test_a_lora_request_goes_where_its_adapter_is_loaded_unless_that_is_busier()
     assert ranks("sql", 2) == [["c", "a"], ["b"]]
     assert ranks("sql", 0) is None  # the least loaded holder is busier than b: load first
     assert ranks("code", 2) is None  # held nowhere: load-aware, the replica loads it
+
+
+def test_a_sequence_with_its_kv_goes_first_where_its_blocks_fit():
+    free = {"a": 3, "b": 40, "c": None, "d": 10}  # c: a replica that does not say
+    ranked = ["a", "b", "c", "d"]  # least loaded first
+
+    assert with_room_first(ranked, free.get, 10) == [["b", "c", "d"], ["a"]]
+    assert with_room_first(ranked, free.get, 20) == [["b", "c"], ["a", "d"]]
+    assert with_room_first(ranked, free.get, 3) == [ranked]  # every one has room: by load
+    assert with_room_first(["a", "d"], free.get, 50) == [["a", "d"]]  # none has: by load

@@ -273,3 +273,44 @@ def test_disaggregation_adds_a_prefill_pool_per_model(tiny_model: str):
     tp = args | {"engine": {"tensor_parallel_size": 2}}
     with pytest.raises(ValueError, match="disaggregation: needs engine.tensor_parallel_size 1"):
         AppArgs.model_validate(tp)
+
+
+def test_a_prefill_pool_batches_caches_and_scales_by_its_own_settings(tiny_model: str):
+    """`prefill_engine` over `engine` for the prefill pool only; `prefill_autoscaling` scales
+    it on its queue depth; a knob that shapes its KV or its first token is refused, named."""
+    from serve_app import build_app
+
+    args = dict(deploy_yaml_args(), model=tiny_model)
+    args["disaggregation"] = {
+        "prefill_replicas": {"num_cpus": 0.25},
+        "prefill_engine": {"max_num_batched_tokens": 8192, "max_num_seqs": 8},
+        "prefill_autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_waiting": 2},
+    }
+    ingress = build_app(args)._bound_deployment
+    (prefill_pool,) = [app._bound_deployment for app in ingress.init_args[7]]
+    (decode_pool,) = _engine_deployments(ingress)
+    prefill_engine, decode_engine = (
+        prefill_pool.init_args[0]["engine"],
+        decode_pool.init_args[0]["engine"],
+    )
+    assert (prefill_engine["max_num_batched_tokens"], prefill_engine["max_num_seqs"]) == (8192, 8)
+    assert decode_engine["max_num_batched_tokens"] == deploy_yaml_args()["engine"].get(
+        "max_num_batched_tokens", 2048
+    )
+    assert prefill_engine["block_size"] == decode_engine["block_size"]
+    scaling = prefill_pool._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas) == (1, 3)
+    assert scaling.policy.policy_kwargs["target_waiting"] == 2
+    assert prefill_pool._deployment_config.max_ongoing_requests < (
+        decode_pool._deployment_config.max_ongoing_requests
+    )  # its own batch (8) and queue
+    for knob, value in (("block_size", 32), ("dtype", "bfloat16"), ("max_model_len", 256)):
+        bad = args | {"disaggregation": {"prefill_engine": {knob: value}}}
+        with pytest.raises(ValueError, match=f"prefill_engine\n.*{knob}: not a knob"):
+            AppArgs.model_validate(bad)
+    bad = args | {"disaggregation": {"prefill_engine": {"max_num_seqs": 0}}}
+    with pytest.raises(ValueError, match="disaggregation.prefill_engine.max_num_seqs"):
+        AppArgs.model_validate(bad)
+    bad = args | {"disaggregation": {"prefill_autoscaling": {"min_replicas": 3, "max_replicas": 2}}}
+    with pytest.raises(ValueError, match="prefill_autoscaling"):
+        AppArgs.model_validate(bad)

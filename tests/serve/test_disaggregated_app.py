@@ -2,8 +2,10 @@
 engine replica each: every sequence prefills at the prefill replica, which sends its first
 token and moves it with its prompt's KV to the decode replica. Over HTTP with the openai
 client: greedy tokens are transformers' generate's, seeded sampling gives the colocated
-app's tokens, a one-token request ends at the prefill replica, every handed-on sequence
-came with its KV (no prompt computed twice), and both replicas end with every block free."""
+app's tokens, a LoRA adapter's tokens are the colocated app's, a one-token request ends at
+the prefill replica, a stream the client leaves frees its blocks, every handed-on sequence
+came with its KV (no prompt computed twice), and both replicas end with every block free. The
+prefill replica runs its own engine knobs (`prefill_engine`)."""
 
 from __future__ import annotations
 
@@ -34,17 +36,25 @@ def pd_app(serve_cluster: ServeCluster) -> Iterator[str]:
     args = app_args(
         serve_cluster.model,
         engine_replicas={"num_replicas": 1, "num_cpus": 0},
-        disaggregation={"prefill_replicas": {"num_replicas": 1, "num_cpus": 0}},
+        disaggregation={
+            "prefill_replicas": {"num_replicas": 1, "num_cpus": 0},
+            # Its own knobs: a bigger prefill budget; no drafting where one token is made.
+            "prefill_engine": {"max_num_batched_tokens": 1024, "speculative": {"enabled": False}},
+        },
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield APP
     serve.delete(APP)
 
 
-def _stats(deployment: str) -> dict:
+def _handle(deployment: str):
     from ray import serve
 
-    return serve.get_deployment_handle(deployment, app_name=APP).stats.remote().result()
+    return serve.get_deployment_handle(deployment, app_name=APP)
+
+
+def _stats(deployment: str) -> dict:
+    return _handle(deployment).stats.remote().result()
 
 
 def _all_free(timeout: float = 30.0) -> tuple[dict, dict]:
@@ -93,11 +103,35 @@ def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
     )
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
     sent += 1
+    # A LoRA adapter's request: the prefill replica computes its prompt with the adapter,
+    # the decode replica goes on with it.
+    adapter = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+    want = colocated.completions.create(model="sql", **adapter).choices[0].text
+    assert client.completions.create(model="sql", **adapter).choices[0].text == want
+    sent += 1
+    # A stream the client leaves after a few chunks: aborted at the decode replica.
+    left = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[1],
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(4), left, strict=False):
+        pass
+    left.close()
+    sent += 1
     # One token: it ends where it prefilled, nothing to move.
     one = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1)
     assert one.choices[0].finish_reason == "length"
 
     prefill, decode = _all_free()
+    assert prefill["max_num_batched_tokens"] == 1024 and prefill["spec"] is None, prefill
+    assert decode["max_num_batched_tokens"] != 1024 and decode["spec"] is not None, decode
+    # The router places a sequence that comes with its KV where its blocks fit: the decode
+    # replica publishes its free blocks.
+    routing = _handle("EngineServer").record_routing_stats.remote().result()
+    assert routing["kv_free_blocks"] == decode["num_free_blocks"] > 0
     handed_on = prefill["num_handed_on"] - before_prefill["num_handed_on"]
     moved_in = decode["num_moved_in"] - before_decode["num_moved_in"]
     carried = decode["num_kv_carried"] - before_decode["num_kv_carried"]
