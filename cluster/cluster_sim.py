@@ -6,7 +6,9 @@ decision ticks (each ready replica's load is sampled, averaged over `look_back_s
 does, and QueueDepthRule decides the count), and replica steps. A new replica serves
 `startup_delay_s` after the decision; a removed one first cancels a replica still starting,
 else drains the least loaded ready one (no new requests; it stops when empty, as Serve's
-graceful shutdown does). Replica-hours count every replica from its start to its stop.
+graceful shutdown does), or with `migration` moves its sequences with their KV to the others
+(each arrives after its transfer and goes on where it stood) and stops once they are sent.
+Replica-hours count every replica from its start to its stop.
 
 With `controller_interval_s` set, the batching policy runs where the deployed app runs it:
 in a ClusterControl fed a report from every replica each period (cluster/control.py), and
@@ -21,21 +23,26 @@ its new config at once.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from cluster.autoscale import AutoscaleConfig, QueueDepthRule, ReplicaLoad
 from cluster.batching import AnyPolicy, DecodeWindow, make_policy
 from cluster.control import ClusterControl, ReplicaStats, weighted_load
+from cluster.conversations import prompt_tokens
+from cluster.kv_transfer import KVTransfer
+from cluster.prefix_routing import PrefixRouting, affinity_ranked, kv_ranked, prefix_key
 from cluster.request_records import RequestRecord, summarize_records
 from cluster.sim_config import SimConfig
-from cluster.sim_replica import SimReplica
+from cluster.sim_replica import MovedSequence, SimReplica
 from cluster.simulator import after, gc_paused
 from cluster.workload import SimRequest
+from engine.core.block_hashes import prompt_block_hashes
 from engine.core.outputs import SchedulerStats
 
 
@@ -51,6 +58,14 @@ class ClusterSimConfig:
     # controller does), and routing divides load by its routing weights. None: each replica
     # runs its policy before every step.
     controller_interval_s: float | None = None
+    # Set: arrivals go by their prompts' prefixes (cluster/prefix_routing.py), as the app's
+    # router sends them with `routing.prefix_affinity` or `routing.kv_aware`; the replicas
+    # need prefix caching on (SimConfig.cache) for it to pay. None: the least loaded.
+    prefix_routing: PrefixRouting | None = None
+    # Set: a replica removed by a scale-down moves its sequences, with their KV, to the
+    # other replicas at this cost, and stops once they are sent, as the app's engine
+    # replicas do on drain (`health.move_on_stop`). None: it finishes them first.
+    migration: KVTransfer | None = None
 
     def __post_init__(self) -> None:
         if self.initial_replicas < 1 or self.startup_delay_s < 0 or self.decision_interval_s <= 0:
@@ -123,16 +138,27 @@ class ClusterSimResult:
     replica_series: list[tuple[float, int, int, int]]
     scale_events: list[tuple[float, int, int]]  # (time, target before, target after)
     control_view: dict | None = None  # the ClusterControl's view at the end (controller runs)
+    # Prompt tokens looked up in the replicas' prefix caches, and found (prefix caching on).
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_moved: int = 0  # sequences moved off replicas being removed (migration)
+    moved_seconds: float = 0.0  # their transfers', summed
 
     def summary(self) -> dict[str, float]:
         ups = sum(1 for _, a, b in self.scale_events if b > a)
-        return summarize_records(self.records, self.config.replica.slo, self.duration_s) | {
+        out = summarize_records(self.records, self.config.replica.slo, self.duration_s) | {
             "replica_hours": self.replica_seconds / 3600.0,
             "mean_replicas": self.replica_seconds / max(self.duration_s, 1e-9),
             "max_replicas": max((s + st for _, s, st, _ in self.replica_series), default=0),
             "scale_ups": ups,
             "scale_downs": len(self.scale_events) - ups,
         }
+        if self.prefix_queries:
+            out["prefix_hit_rate"] = self.prefix_hits / self.prefix_queries
+        if self.config.migration is not None:
+            out["moved"] = self.num_moved
+            out["move_ms_mean"] = 1e3 * self.moved_seconds / max(self.num_moved, 1)
+        return out
 
 
 class ClusterSimulator:
@@ -188,13 +214,32 @@ class ClusterSimulator:
             if not series or series[-1][1:] != (serving, starting, draining):
                 series.append((now, serving, starting, draining))
 
+        # Sequences on their way from a replica being removed: (ready, order, the sequence).
+        in_flight: list[tuple[float, int, MovedSequence]] = []
+        moves = {"count": 0, "seconds": 0.0}
+        kv_bytes_per_token = c.replica.model.kv_bytes_per_token
+
+        def migrate(victim: _Member, now: float) -> None:
+            """Move the victim's sequences out; it stops once the last is sent."""
+            assert c.migration is not None
+            sent = max(now, victim.replica.clock.now())
+            last = sent
+            for seq in victim.replica.move_out():
+                seconds = c.migration.seconds(seq.num_kv_tokens, kv_bytes_per_token)
+                moves["count"] += 1
+                moves["seconds"] += seconds
+                heapq.heappush(in_flight, (sent + seconds, moves["count"], seq))
+                last = max(last, sent + seconds)
+            victim.stopped_s = last
+
         record_series(0.0)
         live = list(members)  # not stopped (a stopped replica is never busy), in spawn order
         while True:
             busy = [m for m in live if m.replica.busy]
-            if not pending and not busy:
+            if not pending and not busy and not in_flight:
                 break
-            t_arrival = pending[0].arrival_s if pending else math.inf
+            t_moved = in_flight[0][0] if in_flight else math.inf
+            t_arrival = min(pending[0].arrival_s if pending else math.inf, t_moved)
             stepper = min(busy, key=lambda m: m.replica.clock.now(), default=None)
             t_step = stepper.replica.clock.now() if stepper is not None else math.inf
             t_tick = next_tick if rule is not None else math.inf
@@ -203,13 +248,15 @@ class ClusterSimulator:
             if t > max_sim_s:
                 break
             if t_arrival <= min(t_tick, t_step, t_control, next_tune):
-                req = pending.popleft()
                 candidates = [m for m in live if m.ready(t) and not m.draining]
-                target = min(
-                    candidates,
-                    key=lambda m: weighted_load(m.replica.num_requests, m.routing_weight),
-                )
-                target.replica.add(req)
+                if t_moved <= t_arrival:  # a moved sequence arrives: to the least loaded
+                    _, _, seq = heapq.heappop(in_flight)
+                    target = min(candidates, key=_load)
+                    target.replica.add(seq.req, at_s=t, moved=seq)
+                    continue
+                req = pending.popleft()
+                target, prompt = self._route(req, candidates)
+                target.replica.add(req, prompt=prompt)
             elif next_tune <= min(t_tick, t_step, t_control):
                 assert retuner is not None and control is not None
                 next_tune += retuner.period_s
@@ -229,7 +276,7 @@ class ClusterSimulator:
             elif t_tick <= t_step:
                 assert rule is not None
                 next_tick += c.decision_interval_s
-                self._decide(rule, members, t, events, spawn)
+                self._decide(rule, members, t, events, spawn, migrate if c.migration else None)
                 live = [m for m in members if m.stopped_s is None]
                 record_series(t)
             else:
@@ -249,7 +296,40 @@ class ClusterSimulator:
         )
         record_series(end)
         view = control.view(end) if control is not None else None
-        return ClusterSimResult(c, records, end, replica_seconds, series, events, view)
+        found = [m.replica.scheduler.stats() for m in members]
+        queries = sum(f.prefix_cache_queries for f in found)
+        hits = sum(f.prefix_cache_hits for f in found)
+        return ClusterSimResult(
+            c,
+            records,
+            end,
+            replica_seconds,
+            series,
+            events,
+            view,
+            queries,
+            hits,
+            moves["count"],
+            moves["seconds"],
+        )
+
+    def _route(
+        self, req: SimRequest, candidates: list[_Member]
+    ) -> tuple[_Member, list[int] | None]:
+        """The replica an arrival goes to, and its prompt's token ids where they were made."""
+
+        routing = self.config.prefix_routing
+        if routing is None or len(candidates) == 1:
+            return min(candidates, key=_load), None
+        prompt = prompt_tokens(req)
+        ranked = sorted(candidates, key=_load)
+        if routing.kv_aware:
+            keys = prompt_block_hashes(prompt, self.config.replica.cache.block_size)
+            ranks = kv_ranked(ranked, keys, _load, _held_blocks, routing.kv_weight)
+        else:
+            key = prefix_key(prompt, routing.prefix_tokens)
+            ranks = affinity_ranked(ranked, _name, key, _load, routing.max_imbalance)
+        return ranks[0][0], prompt
 
     @staticmethod
     def _control(control: ClusterControl, members: list[_Member], t: float) -> None:
@@ -277,6 +357,7 @@ class ClusterSimulator:
         t: float,
         events: list[tuple[float, int, int]],
         spawn: Callable[[float, float], None],
+        migrate: Callable[[_Member, float], None] | None = None,
     ) -> None:
         c = self.config
         active = [m for m in members if m.stopped_s is None and not m.draining]
@@ -300,7 +381,24 @@ class ClusterSimulator:
                 victim = min(serving, key=lambda m: m.replica.num_requests)
                 victim.draining = True
                 active.remove(victim)
-                if not victim.replica.busy:
+                if migrate is not None and victim.replica.busy:
+                    migrate(victim, t)
+                elif not victim.replica.busy:
                     victim.stopped_s = t
         if desired != current:
             events.append((t, current, desired))
+
+
+def _load(member: _Member) -> float:
+    """What the router weighs: outstanding requests over the controller's routing weight."""
+    return weighted_load(member.replica.num_requests, member.routing_weight)
+
+
+def _name(member: _Member) -> str:
+    return member.name
+
+
+def _held_blocks(member: _Member) -> Container[int]:
+    """The keys of the blocks its prefix cache holds: what the app's replicas publish (the
+    simulator's view is exact and current; the app's router sees it a second late)."""
+    return member.replica.scheduler.kv_cache.pool.cached

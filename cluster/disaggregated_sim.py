@@ -22,29 +22,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, replace
 
+from cluster.kv_transfer import KVTransfer
 from cluster.request_records import RequestRecord, summarize_records
 from cluster.sim_config import SimConfig
 from cluster.sim_replica import SimReplica
 from cluster.simulator import gc_paused
 from cluster.workload import SimRequest
 from engine.core.request import Request
-
-
-@dataclass(frozen=True)
-class KVTransfer:
-    """What moving a prompt's KV from a prefill replica to a decode replica costs: a fixed
-    latency per transfer and the bytes over a bandwidth (NVLink within a node is hundreds of
-    GB/s; a 400 Gb/s RDMA NIC between nodes about 50)."""
-
-    bandwidth_bytes_s: float = 50e9
-    latency_s: float = 0.002
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_bytes_s <= 0 or self.latency_s < 0:
-            raise ValueError("need bandwidth_bytes_s > 0 and latency_s >= 0")
-
-    def seconds(self, num_tokens: int, kv_bytes_per_token: float) -> float:
-        return self.latency_s + num_tokens * kv_bytes_per_token / self.bandwidth_bytes_s
 
 
 @dataclass(frozen=True)

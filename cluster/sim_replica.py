@@ -4,8 +4,10 @@ a CostModelRunner pricing each step, and the records of the requests it served."
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cluster.batching import make_policy
+from cluster.conversations import prompt_tokens
 from cluster.request_records import RequestRecord
 from cluster.sim_config import SimConfig
 from cluster.workload import SimRequest
@@ -15,13 +17,24 @@ from engine.core.fixed_proposers import SimulatedDrafts
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.lora_slots import LoRARequest, LoRASlots
 from engine.core.policy import BatchingPolicy, ExternalLimits
-from engine.core.request import Request, Resume
+from engine.core.request import Request, RequestStatus, Resume
 from engine.core.sampling_params import SamplingParams
 from engine.core.sched.decode_cohort import DecodeCohort
 from engine.core.sched.scheduler import Scheduler
 from engine.core.sequence_kv import SequenceKV
 from engine.core.speculator import Speculator
 from engine.runner.cost_model import CostModelRunner
+
+
+@dataclass(frozen=True)
+class MovedSequence:
+    """A sequence a replica moved out, to go on at another (migration on drain): what was
+    asked, the tokens it made so far, and how many tokens' KV goes with it."""
+
+    req: SimRequest
+    prompt: list[int]
+    output_token_ids: list[int]
+    num_kv_tokens: int  # 0: nothing computed (or swapped out): computed again where it goes
 
 
 class SimReplica:
@@ -72,6 +85,7 @@ class SimReplica:
         self.records = records
         self.on_finish = on_finish
         self.live: dict[str, Request] = {}
+        self.asked: dict[str, SimRequest] = {}  # each live request as it was asked
         self.kv_series: list[tuple[float, float]] = []
         self.seqs_series: list[tuple[float, int]] = []
         self.batch_sum = 0
@@ -95,19 +109,32 @@ class SimReplica:
         return len(self.live)
 
     def add(
-        self, req: SimRequest, prefilled_s: float | None = None, at_s: float | None = None
+        self,
+        req: SimRequest,
+        prefilled_s: float | None = None,
+        at_s: float | None = None,
+        prompt: list[int] | None = None,
+        moved: MovedSequence | None = None,
     ) -> None:
         """Hand a request over at `at_s` (its arrival time unless given; an idle replica's
         clock catches up). `prefilled_s`: it comes with its prompt's KV and its first token,
-        made at a prefill replica at that time (disaggregated serving): it decodes here."""
+        made at a prefill replica at that time (disaggregated serving): it decodes here.
+        `prompt`: its token ids where the caller made them (cluster/conversations.py).
+        `moved`: it comes from another replica (`move_out`), and goes on where it stood."""
         at_s = req.arrival_s if at_s is None else at_s
         if not self.busy and self.clock.now() < at_s:
             self.clock.advance(at_s - self.clock.now())
-        record = RequestRecord(req.arrival_s, req.prompt_len, req.output_len, prefilled_s)
-        self.records[req.request_id] = record
-        prompt = self._prompts.get(req.prompt_len)
-        if prompt is None:
-            prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
+        if moved is None:
+            record = RequestRecord(req.arrival_s, req.prompt_len, req.output_len, prefilled_s)
+            self.records[req.request_id] = record
+        else:
+            prompt = moved.prompt
+        if prompt is None and self.config.cache.enable_prefix_caching:
+            prompt = prompt_tokens(req)  # what the cache may find is the content's
+        elif prompt is None:  # no content: one list per length, shared
+            prompt = self._prompts.get(req.prompt_len)
+            if prompt is None:
+                prompt = self._prompts[req.prompt_len] = [0] * req.prompt_len
         params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
         lora = None
         if req.adapter is not None and self.config.lora.enabled:
@@ -116,11 +143,39 @@ class SimReplica:
                 lora = LoRARequest(req.adapter, len(self._adapters) + 1, "")
                 self._adapters[req.adapter] = lora
         request = Request(req.request_id, prompt, params, (), req.arrival_s, lora=lora)
+        block_size = self.config.cache.block_size
         if prefilled_s is not None:  # the KV as the emulated engine moves it: a count only
-            kv = SequenceKV(prompt, self.config.cache.block_size, "simulated")
+            kv = SequenceKV(prompt, block_size, "simulated")
             request.resume_from(Resume([self.runner.sampled_token_id], 0, kv))
+        elif moved is not None:
+            context = prompt + moved.output_token_ids
+            kv = SequenceKV(context[: moved.num_kv_tokens], block_size, "simulated")
+            request.resume_from(Resume(moved.output_token_ids, 0, kv if kv.num_tokens else None))
         self.scheduler.add_request(request)
         self.live[req.request_id] = request
+        self.asked[req.request_id] = req
+
+    def move_out(self) -> list[MovedSequence]:
+        """End every request here to go on at other replicas, each with the KV of the
+        tokens it computed (the last one is computed where it goes: its logits give the
+        next), as the engine's move_out does; every block is free after."""
+        if self.cohort is not None and self.cohort.active:
+            self.cohort.leave()
+        moved = []
+        for rid, request in self.live.items():
+            computed = min(request.num_computed_tokens, request.num_tokens - 1)
+            running = request.status == RequestStatus.RUNNING
+            record = self.records[rid]
+            if record.first_token_s is None:  # (None where it has made no token yet)
+                record.first_token_s = request.first_token_time
+            prompt = request.all_token_ids[: request.num_prompt_tokens]
+            outputs = request.all_token_ids[request.num_prompt_tokens :]
+            moved.append(
+                MovedSequence(self.asked.pop(rid), prompt, outputs, computed if running else 0)
+            )
+        self.scheduler.finish_requests(list(self.live), RequestStatus.FINISHED_MOVED)
+        self.live.clear()
+        return moved
 
     def step(self) -> None:
         result = self.core.step()
@@ -136,6 +191,7 @@ class SimReplica:
 
     def _finished(self, request: Request, t: float) -> None:
         del self.live[request.request_id]
+        del self.asked[request.request_id]
         rec = self.records[request.request_id]
         if rec.first_token_s is None:  # (a prefilled request's came from its prefill replica)
             rec.first_token_s = request.first_token_time

@@ -27,6 +27,10 @@ class SimRequest:
     output_len: int
     adapter: str | None = None  # the LoRA adapter it names (None: the base model)
     model: str | None = None  # the served model it names, where an app serves several
+    # The conversation whose tokens its prompt is (cluster/conversations.py): each turn's
+    # prompt extends the last one's; None: a prompt of its own.
+    conversation: int | None = None
+    shared_len: int = 0  # leading prompt tokens every conversation has (a system prompt)
 
 
 @dataclass(frozen=True)

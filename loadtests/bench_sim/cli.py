@@ -6,6 +6,8 @@
     python -m loadtests.bench_sim autoscale [--out reports/autoscale] [--duration 1800]
         [--startup-delay 60]                     # see loadtests/bench_autoscale.py
     python -m loadtests.bench_sim disagg [--gpus 4]  # prefill/decode pools vs colocated
+    python -m loadtests.bench_sim routing [--gpus 4]  # KV-aware vs hash vs least-loaded
+    python -m loadtests.bench_sim migration [--duration 1800]  # drain vs moving the KV
 
 `paper` reproduces the comparison of arXiv 2503.05248 in our own setting (the paper's exact
 setup is not public: see ../shared/PAPER_NOTES.md): for each setting, throughput of static
@@ -32,7 +34,7 @@ from cluster.simulator import Simulator, capacity
 from cluster.workload import CHAT_OUTPUT, CHAT_PROMPT, make_workload
 from engine.core.config import SchedulerConfig
 from engine.runner.cost_model import GPUS, MODELS
-from loadtests.bench_sim import disagg, speed
+from loadtests.bench_sim import disagg, migration, routing, speed
 from loadtests.bench_sim.report import write_cpu_section, write_report
 
 
@@ -220,14 +222,15 @@ def run_cpu(model: str, num_requests: int, kv_mb: int, statics: tuple[int, ...])
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=["paper", "speed", "cpu", "autoscale", "disagg"])
+    scenarios = ["paper", "speed", "cpu", "autoscale", "disagg", "routing", "migration"]
+    parser.add_argument("scenario", choices=scenarios)
     parser.add_argument("--model", default="small", help="cpu: tiny | small | a checkpoint dir")
     parser.add_argument("--num-requests", type=int, default=48, help="cpu: mixed-200 prefix")
     parser.add_argument("--kv-mb", type=int, default=48, help="cpu: KV cache budget")
     parser.add_argument("--out", default=None, help="reports/<scenario> by default")
     parser.add_argument("--duration", type=float, default=1800.0, help="autoscale: trace s")
     parser.add_argument("--startup-delay", type=float, default=60.0, help="autoscale: replica s")
-    parser.add_argument("--gpus", type=int, default=4, help="disagg: GPUs in either fleet")
+    parser.add_argument("--gpus", type=int, default=4, help="disagg, routing: GPUs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke runs)")
     parser.add_argument("--hours", type=float, default=1.0)
@@ -251,6 +254,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if opts.scenario == "disagg":
         result = disagg.run_disagg(gpus=opts.gpus, quick=opts.quick)
         print(json.dumps(result, indent=2) if opts.json else disagg.describe(result))
+        return result
+    if opts.scenario == "migration":
+        result = migration.run_migration(opts.duration)
+        print(json.dumps(result, indent=2) if opts.json else migration.describe(result))
+        return result
+    if opts.scenario == "routing":
+        result = routing.run_routing(gpus=opts.gpus, quick=opts.quick)
+        print(json.dumps(result, indent=2) if opts.json else routing.describe(result))
         return result
     if opts.scenario == "speed":
         result = speed.run_speed(opts.hours, opts.rate, not opts.no_reference)

@@ -13,7 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
-from cluster.disaggregated_sim import DisaggregatedConfig, DisaggregatedSimulator, KVTransfer
+from cluster.disaggregated_sim import DisaggregatedConfig, DisaggregatedSimulator
+from cluster.kv_transfer import KVTransfer
 from cluster.request_records import Slo
 from cluster.sim_config import SimConfig
 from cluster.simulator import highest_rate

@@ -5,9 +5,8 @@ Load is a replica's outstanding requests (queued + running): Serve's queue-lengt
 which the router updates on every send and every probe, falling back to the replica's own
 `record_routing_stats()`; divided by the routing weight the cluster controller gives the
 replica (below 1 when its latency is over the deployment's SLA target). Prefix affinity uses
-rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids, so every
-ingress replica sends the same prefix to the same engine replica without sharing state, and a
-replica joining or leaving moves only its own share of prefixes. With `kv_aware` instead, a
+rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids
+(cluster/prefix_routing.py, which the simulator applies too). With `kv_aware` instead, a
 request goes to the replica whose load less `kv_weight` times the share of the prompt's full
 blocks its prefix cache holds is lowest (the replicas publish their blocks' keys in their
 routing stats every second). A request with a LoRA adapter
@@ -30,9 +29,7 @@ routing tasks flooded busy replicas with queue-length probes here.)
 
 from __future__ import annotations
 
-import hashlib
 import random
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -40,21 +37,11 @@ from ray.serve._private.common import RequestMetadata  # the type of a public ho
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.control import weighted_load
+from cluster.prefix_routing import affinity_ranked, kv_ranked, prefix_key
 from engine.core.block_hashes import prompt_block_hashes
-from serve_app.transport.cached_prefix import PublishedBlocks, kv_ranked
+from serve_app.transport.cached_prefix import PublishedBlocks
 
 R = TypeVar("R")
-
-
-def prefix_key(token_ids: list[int], prefix_tokens: int) -> bytes:
-    return hashlib.blake2b(array("q", token_ids[:prefix_tokens]).tobytes(), digest_size=8).digest()
-
-
-def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
-    """The replica id with the highest hash(key, id): stable, and uniform over prefixes."""
-    return max(
-        replica_ids, key=lambda rid: hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
-    )
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -154,12 +141,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             keys = prompt_block_hashes(prompt, self.block_size)
             return kv_ranked(ranked, keys, self.replica_load, self._held_blocks, self.kv_weight)
         if self.prefix_affinity and prompt and len(ranked) > 1:
-            by_id = {r.replica_id.unique_id: r for r in ranked}
-            preferred = by_id[
-                rendezvous_choice(prefix_key(prompt, self.prefix_tokens), list(by_id))
-            ]
-            if self.replica_load(preferred) - self.replica_load(ranked[0]) <= self.max_imbalance:
-                return [[preferred], [r for r in ranked if r is not preferred]]
+            key = prefix_key(prompt, self.prefix_tokens)
+            return affinity_ranked(ranked, _unique_id, key, self.replica_load, self.max_imbalance)
         # One rank: Serve takes the lowest queue length among those that accept.
         return [ranked]
 
@@ -187,6 +170,10 @@ def with_room_first(ranked: list[R], free: Callable[[R], int | None], need: int)
     if not roomy or len(roomy) == len(ranked):
         return [ranked]
     return [roomy, [r for r in ranked if r not in roomy]]
+
+
+def _unique_id(replica: RunningReplica) -> str:
+    return replica.replica_id.unique_id
 
 
 def _free_blocks(replica: RunningReplica) -> int | None:

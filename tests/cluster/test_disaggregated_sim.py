@@ -4,7 +4,8 @@ request prefills in one pool and decodes in the other, its KV moved between them
 from __future__ import annotations
 
 from cluster.cluster_sim import ClusterSimConfig, ClusterSimulator
-from cluster.disaggregated_sim import DisaggregatedConfig, DisaggregatedSimulator, KVTransfer
+from cluster.disaggregated_sim import DisaggregatedConfig, DisaggregatedSimulator
+from cluster.kv_transfer import KVTransfer
 from cluster.request_records import Slo
 from cluster.sim_config import SimConfig
 from cluster.workload import SimRequest, make_workload

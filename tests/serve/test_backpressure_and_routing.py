@@ -9,12 +9,8 @@ import time
 import httpx
 import pytest
 
-from serve_app.transport.router import (
-    adapter_first,
-    prefix_key,
-    rendezvous_choice,
-    with_room_first,
-)
+from cluster.prefix_routing import prefix_key, rendezvous_choice
+from serve_app.transport.router import adapter_first, with_room_first
 from tests.local_serve import NARROW_AUTH
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,12 +1,13 @@
-"""KV-aware routing's choice (serve_app/transport/cached_prefix.py): the replica holding the
+"""KV-aware routing's choice (cluster/prefix_routing.py): the replica holding the
 longest prefix of the prompt, unless its load outweighs what it holds."""
 
 from __future__ import annotations
 
 from array import array
 
+from cluster.prefix_routing import cached_prefix, kv_ranked
 from engine.core.block_hashes import prompt_block_hashes
-from serve_app.transport.cached_prefix import PublishedBlocks, cached_prefix, kv_ranked
+from serve_app.transport.cached_prefix import PublishedBlocks
 
 PROMPT = list(range(1000, 1161))  # 10 full blocks of 16
 

@@ -1,0 +1,87 @@
+"""Where a prompt should go by its prefix, the rules the ingress's router applies
+(serve_app/transport/router.py) and the cluster simulator applies the same way:
+
+- prefix affinity: rendezvous hashing of the first `prefix_tokens` prompt tokens over replica
+  ids, so every router sends the same prefix to the same replica without sharing state, and a
+  replica joining or leaving moves only its own share of prefixes; it yields to load when the
+  preferred replica is `max_imbalance` requests busier than the least loaded;
+- KV-aware: the replica whose load less `weight` times the share of the prompt's full blocks
+  it holds as a prefix (engine/core/block_hashes.py's keys) is lowest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from typing import TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class PrefixRouting:
+    """The simulator's `routing:` (serve_app.config.RoutingArgs, the same defaults): by the
+    blocks each replica holds (`kv_aware`), else by the hash of the first `prefix_tokens`."""
+
+    kv_aware: bool = False
+    prefix_tokens: int = 64
+    max_imbalance: int = 8
+    kv_weight: float = 8.0
+
+
+def prefix_key(token_ids: list[int], prefix_tokens: int) -> bytes:
+    return hashlib.blake2b(array("q", token_ids[:prefix_tokens]).tobytes(), digest_size=8).digest()
+
+
+def rendezvous_choice(key: bytes, replica_ids: list[str]) -> str:
+    """The replica id with the highest hash(key, id): stable, and uniform over prefixes."""
+    return max(
+        replica_ids, key=lambda rid: hashlib.blake2b(key + rid.encode(), digest_size=8).digest()
+    )
+
+
+def affinity_ranked(
+    ranked: list[R],
+    replica_id: Callable[[R], str],
+    key: bytes,
+    load: Callable[[R], float],
+    max_imbalance: float,
+) -> list[list[R]]:
+    """Ranks of `ranked` (least loaded first) for a prompt of prefix `key`: its rendezvous
+    replica first unless that one is busier than the least loaded by over `max_imbalance`."""
+    by_id = {replica_id(r): r for r in ranked}
+    preferred = by_id[rendezvous_choice(key, list(by_id))]
+    if load(preferred) - load(ranked[0]) <= max_imbalance:
+        return [[preferred], [r for r in ranked if r is not preferred]]
+    return [ranked]
+
+
+def cached_prefix(keys: list[int], held: Container[int]) -> int:
+    """How many of a prompt's leading blocks (`keys`, in order) a replica holds."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
+
+def kv_ranked(
+    ranked: list[R],
+    keys: list[int],
+    load: Callable[[R], float],
+    held: Callable[[R], Container[int]],
+    weight: float,
+) -> list[list[R]]:
+    """Ranks of `ranked` (least loaded first) for a prompt whose full blocks have `keys`: the
+    replica with the best score, then the rest."""
+    if not keys:
+        return [ranked]
+
+    def score(replica: R) -> float:
+        return load(replica) - weight * cached_prefix(keys, held(replica)) / len(keys)
+
+    best = min(ranked, key=score)  # the first of equals: the least loaded
+    return [[best], [r for r in ranked if r is not best]]
