@@ -175,7 +175,12 @@ def _engine(
         deployed = fingerprint(app_args.model_dump())
         scaling = {
             "num_replicas": "auto",
-            "autoscaling_config": _autoscaling_config(app_args.autoscaling, fit, deployed),
+            "autoscaling_config": _autoscaling_config(
+                app_args.autoscaling,
+                fit,
+                deployed,
+                "disaggregation.prefill_autoscaling" if prefill_only else "autoscaling",
+            ),
         }
         # The replica reads its metrics push period from the environment at import.
         engine_env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = str(
@@ -231,18 +236,22 @@ def _engine_placement(app_args: AppArgs, num_cpus: float) -> tuple[dict[str, Any
 
 
 def _autoscaling_config(
-    scaling: AutoscalingArgs, fit: int | None = None, deployed: str = ""
+    scaling: AutoscalingArgs,
+    fit: int | None = None,
+    deployed: str = "",
+    section: str = "autoscaling",
 ) -> dict[str, Any]:
     """Serve's autoscaling_config: our rule decides; Serve's own delays and factors are
     neutral so the rule behaves as in the simulator. `fit`: the engine replicas the cluster's
     CPUs hold (None: no bound); the replica counts stop there, not at a replica Ray could
     never place. `deployed`: the fingerprint of the model's args, whose applied settings
-    the rule takes (cluster/live_settings.py)."""
+    the rule takes (cluster/live_settings.py). `section`: where deploy.yaml sets `scaling`."""
     most = scaling.max_replicas
     if fit is not None and fit < most:
         logger.warning(
-            "autoscaling.max_replicas %d: the cluster's CPUs hold %d engine replicas beside "
-            "the ingress (engine_replicas.num_cpus); scaling stops there",
+            "%s.max_replicas %d: the cluster's CPUs hold %d engine replicas beside "
+            "the ingress (their num_cpus); scaling stops there",
+            section,
             most,
             fit,
         )

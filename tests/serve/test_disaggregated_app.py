@@ -5,7 +5,8 @@ client: greedy tokens are transformers' generate's, seeded sampling gives the co
 app's tokens, a LoRA adapter's tokens are the colocated app's, a one-token request ends at
 the prefill replica, a stream the client leaves frees its blocks, every handed-on sequence
 came with its KV (no prompt computed twice), and both replicas end with every block free. The
-prefill replica runs its own engine knobs (`prefill_engine`)."""
+prefill replica runs its own engine knobs (`prefill_engine`) and finds repeated prompts in its
+prefix cache."""
 
 from __future__ import annotations
 
@@ -127,6 +128,8 @@ def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
 
     prefill, decode = _all_free()
     assert prefill["max_num_batched_tokens"] == 1024 and prefill["spec"] is None, prefill
+    # The prefill pool caches prefixes: each prompt above went to it more than once.
+    assert prefill["prefix_cache_hits"] > before_prefill["prefix_cache_hits"], prefill
     assert decode["max_num_batched_tokens"] != 1024 and decode["spec"] is not None, decode
     # The router places a sequence that comes with its KV where its blocks fit: the decode
     # replica publishes its free blocks.
