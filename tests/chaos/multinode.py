@@ -39,6 +39,10 @@ CONTROL = {"controller": {"resources": {"control": 0.01}}}
 TP = {"engine": {"tensor_parallel_size": 2}}
 
 
+# Deploys tried until the two engine replicas run on different workers.
+_DEPLOYS = 3
+
+
 def _node_of(pid: int, workers: list) -> int | None:
     """Which worker node's raylet started process `pid` (None: the head's, or a node gone)."""
     ancestors = {p.pid for p in psutil.Process(pid).parents()}
@@ -127,14 +131,21 @@ def main(scenario: str) -> dict:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         parts = scenario.split("+")
         layout = LAYOUT | (CONTROL if "control" in parts else {}) | (TP if "tp" in parts else {})
-        stage("cluster up; deploying")
-        serve.run(build_app(chaos_args(tiny_model_dir(), **layout)), name="mn", route_prefix="/mn")
-        stage("app running")
         base = f"http://127.0.0.1:{port}/mn"
-        handle = serve.get_deployment_handle("EngineServer", app_name="mn")
-        before = _replicas(handle, 2, 60)
-        placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
-        result["placement"] = placement
+        # Each worker holds two engine replicas (so one can come back on the survivor), and
+        # Ray's spreading of them is best effort: where both land on one node, deploy again.
+        for deploy in range(1, _DEPLOYS + 1):
+            stage("cluster up; deploying")
+            app = build_app(chaos_args(tiny_model_dir(), **layout))
+            serve.run(app, name="mn", route_prefix="/mn")
+            stage("app running")
+            handle = serve.get_deployment_handle("EngineServer", app_name="mn")
+            before = _replicas(handle, 2, 60)
+            placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
+            if len(set(placement)) == 2 or deploy == _DEPLOYS:
+                break
+            serve.delete("mn")
+        result["placement"], result["deploys"] = placement, deploy
         result["ranks_with_leader"] = _ranks_with_leader(before, workers)
         if "control" in parts:
             victim = workers[_worker_running("ClusterController", workers)]
