@@ -375,6 +375,15 @@ class AppArgs(_Strict):
         "on one stream, one message per engine step for all of them (false: one message per "
         "request per step on the request's own handle call).",
     )
+    kv_transport: Literal["auto", "link", "object_store"] = Field(
+        "auto",
+        description="How a sequence's KV moves between engine replicas (a prefill replica's "
+        "handoff, a stopping replica's moves): `link` straight from the replica it leaves to the "
+        "one where it goes on (NCCL between GPUs, else a TCP connection to a free port of its "
+        "node), `object_store` through Ray's object store (faster between CPU replicas on one "
+        "node; where nodes let no other ports through), `auto` the link from a GPU's cache and "
+        "the object store from a CPU's.",
+    )
     api: ApiArgs = Field(default_factory=ApiArgs, description="What the OpenAI API lets in.")
     health: HealthArgs = Field(default_factory=HealthArgs, description="Engine replica health.")
     routing: RoutingArgs = Field(default_factory=RoutingArgs, description="Replica choice.")

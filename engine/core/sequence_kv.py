@@ -22,7 +22,9 @@ class SequenceKV:
     token_ids: list[int]  # the tokens whose KV it holds, from the first
     block_size: int
     cache_dtype: str  # the cache's torch dtype name: "float32", "bfloat16", "float8_e4m3fn"
-    data: Any = None  # a numpy uint8 array (zero-copy through Ray's object store), or None
+    # uint8: a torch tensor where the cache is, a numpy array on the host (zero-copy through
+    # Ray's object store); None
+    data: Any = None
     scales: tuple[tuple[float, float], ...] | None = None  # FP8: (k, v) per layer
 
     @property

@@ -1,8 +1,10 @@
 """A sequence's blocks out of one paged KV cache and into another (engine/core/sequence_kv.py).
 
-Blocks leave as bytes: one host buffer [layers, 2, blocks, block_size, kv_heads, head_bytes]
-whatever the cache's dtype (numpy has no bfloat16 or FP8), which Ray's object store moves
-without a copy into Python objects. An FP8 cache's bytes mean something only with their
+Blocks leave as bytes: one buffer [layers, 2, blocks, block_size, kv_heads, head_bytes]
+whatever the cache's dtype (numpy has no bfloat16 or FP8), a tensor where the cache is (the
+direct link between replicas, engine/runner/kv_link.py, sends it from there) or a numpy
+array on the host (`on_host`: Ray's object store moves it without a copy into Python
+objects). An FP8 cache's bytes mean something only with their
 scales: a target whose scales are not measured yet takes the source's, one with the same
 scales writes the bytes as they are, and one with other scales re-quantizes them (the one
 case where the tokens may differ from an undisturbed run's).
@@ -10,6 +12,7 @@ case where the tokens may differ from an undisturbed run's).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -24,21 +27,30 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) of every la
 def read_kv(
     caches: KVCaches, block_ids: list[int], token_ids: list[int], block_size: int, model: nn.Module
 ) -> SequenceKV:
-    """The KV of `token_ids` (the sequence's first tokens), held in `block_ids`, as plain
-    data on the host."""
+    """The KV of `token_ids` (the sequence's first tokens), held in `block_ids`: a copy of
+    the blocks' bytes on the cache's device."""
     device = caches[0][0].device
     index = torch.tensor(block_ids, device=device)
     # [layers * 2, blocks, block_size, kv_heads, head_dim] -> bytes on the last axis
     blocks = torch.stack([stored(c).index_select(0, index) for kv in caches for c in kv])
-    data = blocks.view(torch.uint8).to("cpu").reshape(len(caches), 2, *blocks.shape[1:-1], -1)
+    data = blocks.view(torch.uint8).reshape(len(caches), 2, *blocks.shape[1:-1], -1)
+    if device.type == "cuda":  # other threads (and streams) send it, once it is written
+        torch.cuda.current_stream(device).synchronize()
     dtype = caches[0][0].dtype
     return SequenceKV(
         list(token_ids),
         block_size,
         str(dtype).removeprefix("torch."),
-        data.numpy(),
+        data,
         _scales(model) if dtype == FP8_KV else None,
     )
+
+
+def on_host(kv: SequenceKV) -> SequenceKV:
+    """`kv` with its bytes in a numpy array (for Ray's object store)."""
+    if not isinstance(kv.data, torch.Tensor):
+        return kv
+    return dataclasses.replace(kv, data=kv.data.cpu().numpy())
 
 
 def refusal(kv: SequenceKV, caches: KVCaches, block_size: int) -> str | None:
@@ -64,7 +76,7 @@ def write_kv(caches: KVCaches, kv: SequenceKV, block_ids: list[int], model: nn.M
     index = torch.tensor(block_ids, device=device)
     with warnings.catch_warnings():  # read-only from the object store: only read here
         warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(kv.data)
+        data = kv.data if isinstance(kv.data, torch.Tensor) else torch.from_numpy(kv.data)
     layers = _attention_layers(model)
     fp8 = caches[0][0].dtype == FP8_KV
     if fp8:

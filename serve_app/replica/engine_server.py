@@ -89,7 +89,7 @@ class EngineServer:
         self.num_reports_ok = 0
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
-        self.moves = SequenceMoves(self.engine, self.replica_id)
+        self.moves = SequenceMoves(self.engine, self.replica_id, self.args.kv_transport)
         self.prefill_only = prefill_only
         self.num_handed_on = 0  # sequences a prefill replica moved on after their first token
         loop = asyncio.get_running_loop()
@@ -200,9 +200,14 @@ class EngineServer:
                         yield final
                     else:
                         outbox.put(final)
-                    yield MovedOut(None if moved.kv is None else await self.moves.put(moved.kv))
-                    # Held (with the KV) until the ingress has resumed it and cancels this call.
-                    await asyncio.sleep(MOVED_HOLD_S)
+                    sent = None if moved.kv is None else await self.moves.send(moved.kv)
+                    try:
+                        yield MovedOut(sent)
+                        # Held (with the KV) until the ingress has resumed it and cancels
+                        # this call.
+                        await asyncio.sleep(MOVED_HOLD_S)
+                    finally:
+                        self.moves.sent(sent)
             finally:  # also when the caller went away (the engine request was aborted)
                 if outbox is not None:
                     self.outboxes.close(watched, outbox)
@@ -348,4 +353,5 @@ class EngineServer:
     async def __del__(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.moves.link.close()
         await self.engine.shutdown()

@@ -1,6 +1,7 @@
 """An engine replica's side of moving sequences with their KV (serve_app/transport/
 moved_sequence.py): moving every sequence out once Serve starts stopping the replica and
-another runs, and fetching the KV of a sequence moved in."""
+another runs, sending a moved sequence's KV (`kv_transport`: offered on the replica's
+KVLink, or put in Ray's object store), and fetching the KV of a sequence moved in."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import logging
 from typing import TYPE_CHECKING
 
 import ray
+import torch
 
 from engine.core.outputs import RequestOutput
 from engine.core.request import Resume
+from engine.core.sequence_kv import SequenceKV
+from engine.runner.kv_link import KVLink, KVOffer
+from engine.runner.kv_transfer import on_host
 from serve_app.replica.drain_signal import DrainSignal
 from serve_app.transport.moved_sequence import MOVED
 
@@ -32,9 +37,13 @@ MOVED_HOLD_S = 60.0
 
 
 class SequenceMoves:
-    def __init__(self, engine: AsyncLLMEngine, replica_id: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, replica_id: str, transport: str) -> None:
+        """`transport`: how a moved sequence's KV leaves ("link", "object_store", or "auto":
+        the link from a GPU's cache); what comes in is taken either way."""
         self.engine = engine
         self.replica_id = replica_id
+        self.transport = transport
+        self.link = KVLink(ray.util.get_node_ip_address(), replica_id)
         self.drain = DrainSignal()
         self.stopping = False  # Serve is stopping this replica: it takes no new requests
         self.num_moved_out = 0  # sequences moved to other replicas as this one stopped
@@ -51,6 +60,10 @@ class SequenceMoves:
             "num_kv_tokens_carried": engine.num_kv_tokens_carried,
             "num_kv_refused": engine.num_kv_refused,
             "num_kv_fetch_failures": self.num_kv_fetch_failures,
+            "num_kv_offers_held": self.link.num_offers,
+            "kv_link_sent": dict(self.link.num_sent),
+            "kv_link_taken": dict(self.link.num_taken),
+            "num_kv_link_p2p_failures": self.link.num_p2p_failures,
         }
 
     async def move_on_stop(self) -> None:
@@ -69,13 +82,18 @@ class SequenceMoves:
 
     async def with_kv(self, resume: Resume | None) -> Resume | None:
         """A moved sequence's Resume with its KV fetched from the replica it left (the
-        ingress passes the KV's ObjectRef); without it where that fails (the replica died:
-        the context is computed here)."""
-        if resume is None or not isinstance(resume.kv, ray.ObjectRef):
+        ingress passes the KV's offer or ObjectRef); without it where that fails (the
+        replica died: the context is computed here)."""
+        if resume is None or not isinstance(resume.kv, KVOffer | ray.ObjectRef):
             return resume
         self.num_moved_in += 1
         try:
-            kv = await asyncio.wait_for(resume.kv, _KV_FETCH_TIMEOUT_S)
+            if isinstance(resume.kv, KVOffer):
+                device = getattr(self.engine.engine.runner, "device", torch.device("cpu"))
+                fetched = asyncio.to_thread(self.link.fetch, resume.kv, torch.device(device))
+            else:
+                fetched = resume.kv
+            kv = await asyncio.wait_for(fetched, _KV_FETCH_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -84,10 +102,21 @@ class SequenceMoves:
             kv = None
         return dataclasses.replace(resume, kv=kv)
 
-    @staticmethod
-    async def put(kv: object) -> ray.ObjectRef:
-        """A moved sequence's KV into Ray's object store (off the event loop: it copies)."""
-        return await asyncio.to_thread(ray.put, kv)
+    async def send(self, kv: SequenceKV) -> KVOffer | ray.ObjectRef | SequenceKV:
+        """What the ingress passes on to the replica where the sequence goes on: the KV's
+        offer on this replica's link, or its ObjectRef (a copy on the host in Ray's object
+        store; off the event loop); KV without bytes (an emulated engine's) as it is."""
+        if kv.data is None:
+            return kv
+        on_gpu = getattr(kv.data, "is_cuda", False)
+        if self.transport == "link" or (self.transport == "auto" and on_gpu):
+            return self.link.offer(kv)
+        return await asyncio.to_thread(lambda: ray.put(on_host(kv)))
+
+    def sent(self, sent: object) -> None:
+        """The sequence has gone on elsewhere (or will not): its KV may go."""
+        if isinstance(sent, KVOffer):
+            self.link.withdraw(sent)
 
 
 def moved_delta(held: RequestOutput | None, last: RequestOutput) -> RequestOutput:

@@ -3,7 +3,8 @@ Serve: two prefill and two decode replicas of the tiny model, the chaos suite's 
 checks). A decode replica SIGKILLed mid-stream loses no request: its sequences resume at the
 other decode replica from the tokens already sent. A prefill replica lost before its
 requests' first tokens loses none either: they are sent again, to the other prefill replica.
-Texts equal to an undisturbed run's; every replica, the replacements included, ends with
+Texts equal to an undisturbed run's (whose KV went through Ray's object store:
+`kv_transport: auto` between CPU replicas); every replica, the replacements included, ends with
 every block free."""
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ def _engine_calls(serve_cluster: ServeCluster) -> float:
 def undisturbed(serve_cluster: ServeCluster, pd_app: str) -> list[str]:
     texts = asyncio.run(_streams(serve_cluster.v1(APP)))
     assert all(texts)
+    # Every sequence came to its decode replica with its prompt's KV, through the object
+    # store (kv_transport auto, from a CPU's cache).
+    decoding = _pool("EngineServer").values()
+    assert sum(s["num_kv_carried"] for s in decoding) == len(PROMPTS), list(decoding)
+    assert not any(s["kv_link_taken"]["host"] + s["kv_link_taken"]["p2p"] for s in decoding)
     return texts
 
 

@@ -4,9 +4,9 @@ token and moves it with its prompt's KV to the decode replica. Over HTTP with th
 client: greedy tokens are transformers' generate's, seeded sampling gives the colocated
 app's tokens, a LoRA adapter's tokens are the colocated app's, a one-token request ends at
 the prefill replica, a stream the client leaves frees its blocks, every handed-on sequence
-came with its KV (no prompt computed twice), and both replicas end with every block free. The
-prefill replica runs its own engine knobs (`prefill_engine`) and finds repeated prompts in its
-prefix cache."""
+came with its KV straight from the prefill replica (`kv_transport: link`; no prompt computed
+twice), and both replicas end with every block free. The prefill replica runs its own engine
+knobs (`prefill_engine`) and finds repeated prompts in its prefix cache."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def pd_app(serve_cluster: ServeCluster) -> Iterator[str]:
             # Its own knobs: a bigger prefill budget; no drafting where one token is made.
             "prefill_engine": {"max_num_batched_tokens": 1024, "speculative": {"enabled": False}},
         },
+        kv_transport="link",  # the object store's way: tests/chaos/test_disaggregated_failover
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield APP
@@ -59,11 +60,13 @@ def _stats(deployment: str) -> dict:
 
 
 def _all_free(timeout: float = 30.0) -> tuple[dict, dict]:
-    """The prefill and decode replicas' stats once both hold no block."""
+    """The prefill and decode replicas' stats once both hold no block (nor the prefill
+    replica any KV offered on its link)."""
     deadline = time.monotonic() + timeout
     while True:
         prefill, decode = _stats(PREFILL_SERVER), _stats("EngineServer")
-        if prefill["num_used_blocks"] == decode["num_used_blocks"] == 0:
+        held = prefill["num_kv_offers_held"]
+        if prefill["num_used_blocks"] == decode["num_used_blocks"] == held == 0:
             return prefill, decode
         assert time.monotonic() < deadline, (prefill, decode)
         time.sleep(0.2)
@@ -140,4 +143,8 @@ def test_prefill_and_decode_on_separate_replicas_answer_as_transformers(
     carried = decode["num_kv_carried"] - before_decode["num_kv_carried"]
     assert handed_on == moved_in == carried == sent, (prefill, decode)
     assert decode["num_kv_refused"] == decode["num_kv_fetch_failures"] == 0, decode
+    # Each KV went straight from the prefill replica to the decode one (kv_transport: link;
+    # between CPUs on the connection itself).
+    taken = decode["kv_link_taken"]["host"] - before_decode["kv_link_taken"]["host"]
+    assert taken == sent and decode["num_kv_link_p2p_failures"] == 0, decode
     assert _handed_on_at_ingress(serve_cluster) - ingress_before == sent

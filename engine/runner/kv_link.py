@@ -1,0 +1,311 @@
+"""KVLink: a moved sequence's KV sent straight from the engine replica it leaves to the one
+where it goes on, without Ray's object store (engine/core/sequence_kv.py says what moves).
+
+The source keeps the exported blocks where its cache is and offers them: a `KVOffer` is plain
+data (its link's address, the offer's number, what the bytes are) that travels with the
+sequence's Resume. The target connects to the source's link, asks for the offer, and takes
+the bytes one of two ways:
+- "p2p": over a two-rank torch.distributed group between the two processes, NCCL between
+  GPUs (device to device: no host copy at either end), gloo between CPU tensors. A pair's
+  group is made at its first transfer and kept for the next; the target sends one transfer
+  at a time on it (NCCL matches sends and receives by order alone).
+- "host": the bytes on the connection itself (from a GPU, copied to the host first): where
+  no p2p path exists or it failed, and the CPU's way (on one host a socket moves them faster
+  than the object store: docs/cluster.md).
+An offer stands until the source withdraws it (the sequence has gone on elsewhere), so a
+target that dies before importing the KV leaves it for the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import logging
+import os
+import socket
+import socketserver
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.core.sequence_kv import SequenceKV
+
+logger = logging.getLogger(__name__)
+
+# How long either end of a transfer waits for the other before giving up on it.
+TRANSFER_TIMEOUT_S = 30.0
+# Socket reads and writes move this many bytes at a time at most.
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class KVOffer:
+    """A sequence's KV held at its source's link until withdrawn."""
+
+    host: str
+    port: int
+    offer_id: int
+    kv: SequenceKV  # what the bytes stand for; its data is None here
+    shape: tuple[int, ...]  # the bytes' shape (SequenceKV.data)
+    device: str  # where the source holds them: "cuda" or "cpu"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class KVLink:
+    """One process's end of the links between engine replicas: offers what it sends (a
+    server thread answers the targets), fetches what it takes."""
+
+    def __init__(self, host: str, name: str, timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        """`host`: the address other replicas reach this process at; `name`: this process's,
+        unique in the cluster (its replica id)."""
+        self.host = host
+        self.name = name
+        self.timeout_s = timeout_s
+        self._offers: dict[int, torch.Tensor] = {}  # flat uint8 bytes, where the cache is
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self._store: dist.TCPStore | None = None  # the p2p groups' rendezvous, as a source
+        self._sending: dict[str, dist.ProcessGroup] = {}  # p2p groups by name, as a source
+        self._taking: dict[tuple[str, int], _Pair] = {}  # p2p groups by source, as a target
+        self.num_sent = {"p2p": 0, "host": 0}
+        self.num_taken = {"p2p": 0, "host": 0}
+        self.num_p2p_failures = 0  # p2p transfers given up for the host way
+
+    # The source's side.
+
+    def offer(self, kv: SequenceKV) -> KVOffer:
+        """Hold `kv`'s bytes (a torch tensor) for a target to take; its offer to send on."""
+        assert isinstance(kv.data, torch.Tensor), "offer the KV where the cache holds it"
+        port = self._serve()
+        offer_id = next(self._ids)
+        with self._lock:
+            self._offers[offer_id] = kv.data.reshape(-1)
+        meta = dataclasses.replace(kv, data=None)
+        shape = tuple(kv.data.shape)
+        return KVOffer(self.host, port, offer_id, meta, shape, kv.data.device.type)
+
+    def withdraw(self, offer: KVOffer) -> None:
+        """Free an offer's bytes: the sequence went on elsewhere (or will not)."""
+        with self._lock:
+            self._offers.pop(offer.offer_id, None)
+
+    @property
+    def num_offers(self) -> int:
+        with self._lock:
+            return len(self._offers)
+
+    def _serve(self) -> int:
+        with self._lock:
+            if self._server is None:
+                link = self
+
+                class Handler(socketserver.StreamRequestHandler):
+                    def handle(self) -> None:
+                        link._answer(self.connection, self.rfile)
+
+                server = socketserver.ThreadingTCPServer((self.host, 0), Handler)
+                server.daemon_threads = True
+                threading.Thread(target=server.serve_forever, name="kv-link", daemon=True).start()
+                self._server = server
+            return self._server.server_address[1]
+
+    def _answer(self, conn: socket.socket, rfile: Any) -> None:
+        """Serve one target's request on its connection."""
+        conn.settimeout(self.timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            ask = json.loads(rfile.readline())
+            with self._lock:
+                data = self._offers.get(ask["offer"])
+            if data is None:
+                _reply(conn, {"error": f"no offer {ask['offer']} here (withdrawn)"})
+            elif ask["mode"] == "p2p":
+                _reply(conn, {"store_port": self._rendezvous()})
+                group = self._sending_group(ask["group"], data.device)
+                try:
+                    _p2p(lambda: group.send([data], 1, 0), data.device)
+                except Exception:
+                    with self._lock:
+                        self._sending.pop(ask["group"], None)
+                    raise
+                self.num_sent["p2p"] += 1
+            else:
+                host = data.cpu() if data.device.type != "cpu" else data
+                _reply(conn, {"nbytes": host.numel()})
+                view = memoryview(host.numpy())
+                for start in range(0, len(view), _CHUNK):
+                    conn.sendall(view[start : start + _CHUNK])
+                self.num_sent["host"] += 1
+        except Exception as exc:
+            logger.warning("a KV transfer from %s failed: %r", self.name, exc)
+
+    def _rendezvous(self) -> int:
+        with self._lock:
+            if self._store is None:
+                self._store = dist.TCPStore(
+                    self.host,
+                    0,
+                    None,
+                    True,
+                    timeout=datetime.timedelta(seconds=self.timeout_s),
+                    wait_for_workers=False,
+                )
+            return self._store.port
+
+    def _sending_group(self, name: str, device: torch.device) -> dist.ProcessGroup:
+        with self._lock:
+            group = self._sending.get(name)
+            store = self._store
+        if group is None:
+            assert store is not None
+            group = _group(store, name, 0, device, self.timeout_s)
+            with self._lock:
+                self._sending[name] = group
+        return group
+
+    # The target's side.
+
+    def fetch(self, offer: KVOffer, device: torch.device, p2p: bool | None = None) -> SequenceKV:
+        """The offered KV, its bytes on `device` (the cache's) where p2p brought them, else
+        on the host. `p2p`: try the p2p way first (None: where both ends are GPUs and NCCL
+        is there). Raises where neither way worked (the source died, the offer is gone)."""
+        if p2p is None:
+            both_gpus = offer.device == device.type == "cuda"
+            p2p = both_gpus and dist.is_nccl_available()
+        if p2p:
+            try:
+                return self._fetch_p2p(offer, device)
+            except Exception as exc:
+                self.num_p2p_failures += 1
+                logger.warning("p2p KV transfer failed (%r): taking it through the host", exc)
+        return self._fetch_host(offer)
+
+    def _fetch_host(self, offer: KVOffer) -> SequenceKV:
+        with self._connect(offer, "host", None) as (conn, answer):
+            data = np.empty(answer["nbytes"], dtype=np.uint8)
+            view, got = memoryview(data), 0
+            while got < len(view):
+                n = conn.recv_into(view[got:], min(len(view) - got, _CHUNK))
+                if n == 0:
+                    raise ConnectionError("the source closed the link mid-transfer")
+                got += n
+        self.num_taken["host"] += 1
+        return dataclasses.replace(offer.kv, data=data.reshape(offer.shape))
+
+    def _fetch_p2p(self, offer: KVOffer, device: torch.device) -> SequenceKV:
+        key = (offer.host, offer.port)
+        with self._lock:
+            pair = self._taking.setdefault(key, _Pair())
+        with pair.lock:  # one transfer at a time on a pair's group
+            if pair.group is None:
+                pair.name = f"{self.name}>{offer.host}:{offer.port}#{next(self._ids)}"
+            data = torch.empty(offer.nbytes, dtype=torch.uint8, device=device)
+            try:
+                with self._connect(offer, "p2p", pair.name) as (_, answer):
+                    if pair.group is None:
+                        store = dist.TCPStore(
+                            offer.host,
+                            answer["store_port"],
+                            None,
+                            False,
+                            timeout=datetime.timedelta(seconds=self.timeout_s),
+                        )
+                        pair.group = _group(store, pair.name, 1, device, self.timeout_s)
+                    _p2p(lambda: pair.group.recv([data], 0, 0), device)
+            except Exception:
+                pair.group = None  # the next transfer makes a new one
+                raise
+        self.num_taken["p2p"] += 1
+        return dataclasses.replace(offer.kv, data=data.reshape(offer.shape))
+
+    def _connect(self, offer: KVOffer, mode: str, group: str | None) -> _Connection:
+        return _Connection(offer, {"offer": offer.offer_id, "mode": mode, "group": group}, self)
+
+    def close(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            self._offers.clear()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+@dataclass
+class _Pair:
+    """The target's p2p group with one source."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    name: str = ""
+    group: Any = None
+
+
+class _Connection:
+    """A target's request to a source's link: (socket, the source's answer) inside."""
+
+    def __init__(self, offer: KVOffer, ask: dict[str, Any], link: KVLink) -> None:
+        self.offer, self.ask, self.timeout_s = offer, ask, link.timeout_s
+        self.conn: socket.socket | None = None
+
+    def __enter__(self) -> tuple[socket.socket, dict[str, Any]]:
+        address = (self.offer.host, self.offer.port)
+        self.conn = conn = socket.create_connection(address, timeout=self.timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _reply(conn, self.ask)
+        answer = json.loads(_read_line(conn))
+        if "error" in answer:
+            raise LookupError(answer["error"])
+        return conn, answer
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.conn is not None
+        self.conn.close()
+
+
+def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte:
+            raise ConnectionError("the source closed the link")
+        line += byte
+    return bytes(line)
+
+
+def _group(
+    store: dist.Store, name: str, rank: int, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
+    """The pair's two-rank group: NCCL for GPU tensors, gloo for CPU ones."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(f"kv-link/{name}", store)
+    if device.type != "cuda":
+        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    # A transfer that times out aborts the pair's communicator, never the process (whose
+    # other requests go on); read where a group is made.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+
+
+def _p2p(op: Any, device: torch.device) -> None:
+    """Run a send or receive to its end; on a GPU, with its bytes in place once it returns."""
+    if device.type != "cuda":
+        op().wait()
+        return
+    with torch.cuda.device(device):
+        op().wait()
+        torch.cuda.current_stream(device).synchronize()
