@@ -232,6 +232,8 @@ PREFILL_ENGINE_KNOBS = frozenset(
         "overlap_steps",
         "num_threads",
         "speculative",
+        # The KV leaves a replica with every head, whatever its ranks.
+        "tensor_parallel_size",
     }
 )
 
@@ -436,21 +438,12 @@ class AppArgs(_Strict):
             return self
         if self.model is None:
             raise ValueError("model: required (or `models`, a list)")
-        tp, gpus = self.engine.tensor_parallel_size, self.engine_replicas.num_gpus
-        if tp > 1 and gpus and gpus != tp:  # one GPU per rank, all on the replica's node
-            raise ValueError(
-                f"engine_replicas.num_gpus ({gpus:g}) must equal {tp}, engine.tensor_parallel_size"
-            )
+        _check_gpus_per_rank(self.engine, self.engine_replicas, "engine_replicas", "engine")
         try:
             self.batching.factory(self.engine.max_num_seqs)
         except ValueError as exc:
             raise ValueError(f"batching: {exc}") from None
         self.emulated_label()  # a misspelt model or GPU fails the deploy, not the replicas
-        if self.disaggregation is not None and tp > 1:
-            raise ValueError(
-                "disaggregation: needs engine.tensor_parallel_size 1 (a tensor-parallel "
-                "replica's KV does not move yet)"
-            )
         if self.tuning.auto:
             if not self.trace.enabled or not self.controller.enabled:
                 raise ValueError("tuning.auto: needs trace.enabled and controller.enabled")
@@ -547,12 +540,27 @@ class AppArgs(_Strict):
             )
         except ValueError as exc:
             raise ValueError(f"disaggregation.prefill_engine.{first_error(exc)}") from None
+        replicas = "disaggregation.prefill_replicas"
+        _check_gpus_per_rank(engine, pool.prefill_replicas, replicas, "the prefill pool's engine")
         return self.model_copy(
             update={
                 "engine": engine,
                 "engine_replicas": pool.prefill_replicas,
                 "autoscaling": pool.prefill_autoscaling,
             }
+        )
+
+
+def _check_gpus_per_rank(
+    engine: EngineArgs, replicas: EngineReplicaArgs, replicas_name: str, engine_name: str
+) -> None:
+    """One GPU per tensor-parallel rank, all on the replica's node: else ValueError naming
+    the fields."""
+    tp, gpus = engine.tensor_parallel_size, replicas.num_gpus
+    if tp > 1 and gpus and gpus != tp:
+        raise ValueError(
+            f"{replicas_name}.num_gpus ({gpus:g}) must equal {tp}, "
+            f"{engine_name}.tensor_parallel_size"
         )
 
 

@@ -46,10 +46,14 @@ class TensorParallel:
 
     def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
         """[rows, c] on each rank -> [rows, N x c], rank 0's columns first."""
+        return self.all_gather(t, dim=1)
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `t` (the same shape) joined along `dim`, rank 0's first."""
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.shard.world_size)]
         self._group.allgather([parts], [t]).wait()
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=dim)
 
     def broadcast(self, t: torch.Tensor) -> None:
         """Rank 0's `t` into every rank's `t` (contiguous, the same shape and dtype)."""

@@ -53,10 +53,13 @@ def on_host(kv: SequenceKV) -> SequenceKV:
     return dataclasses.replace(kv, data=kv.data.cpu().numpy())
 
 
-def refusal(kv: SequenceKV, caches: KVCaches, block_size: int) -> str | None:
-    """Why `kv` cannot go into these caches as it is (another model or layout), or None."""
+def refusal(kv: SequenceKV, caches: KVCaches, block_size: int, world: int = 1) -> str | None:
+    """Why `kv` cannot go into these caches as it is (another model or layout), or None.
+    `world`: the tensor-parallel ranks that share the heads (each cache holds its share;
+    `kv` holds them all)."""
     keys = caches[0][0]
-    want = (len(caches), 2, kv.num_blocks, block_size, keys.shape[2], _head_bytes(keys))
+    heads = keys.shape[2] * world
+    want = (len(caches), 2, kv.num_blocks, block_size, heads, _head_bytes(keys))
     dtype = str(keys.dtype).removeprefix("torch.")
     if kv.data is None:
         return "it carries no KV tensors (an emulated engine's)"
@@ -65,13 +68,22 @@ def refusal(kv: SequenceKV, caches: KVCaches, block_size: int) -> str | None:
         return f"its cache is {theirs}, here {dtype} in blocks of {block_size}"
     if tuple(kv.data.shape) != want:
         return f"its blocks are shaped {tuple(kv.data.shape)}, here {want}"
+    if keys.dtype == FP8_KV and world > 1:
+        return "FP8 KV across tensor-parallel ranks (each rank measures its own scales)"
     if keys.dtype == FP8_KV and (kv.scales is None or len(kv.scales) != len(caches)):
         return "its FP8 blocks come without their scales"
     return None
 
 
-def write_kv(caches: KVCaches, kv: SequenceKV, block_ids: list[int], model: nn.Module) -> None:
-    """Write `kv` (which `refusal` accepted) into `block_ids` of `caches`."""
+def write_kv(
+    caches: KVCaches,
+    kv: SequenceKV,
+    block_ids: list[int],
+    model: nn.Module,
+    first_head: int = 0,
+) -> None:
+    """Write `kv` (which `refusal` accepted) into `block_ids` of `caches`: its heads from
+    `first_head` on, as many as the caches hold (a tensor-parallel rank's share)."""
     device = caches[0][0].device
     index = torch.tensor(block_ids, device=device)
     with warnings.catch_warnings():  # read-only from the object store: only read here
@@ -84,7 +96,8 @@ def write_kv(caches: KVCaches, kv: SequenceKV, block_ids: list[int], model: nn.M
     for i, layer_caches in enumerate(caches):
         for j, cache in enumerate(layer_caches):
             target = stored(cache)
-            blocks = data[i, j].to(device).view(target.dtype)
+            heads = data[i, j, :, :, first_head : first_head + target.shape[2]]
+            blocks = heads.contiguous().to(device).view(target.dtype)
             ours = layers[i].kv_scales[j] if fp8 else None
             if ours is not None and (theirs := kv.scales[i][j]) != float(ours):
                 source_scale = torch.tensor(theirs, device=device)

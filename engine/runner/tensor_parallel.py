@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,6 +30,14 @@ from engine.runner.rank_bundles import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatherKV:
+    """Sent to ranks 1..N-1 in place of a step: read these blocks' share of the heads and
+    join rank 0's gather of them (a sequence's KV leaving the replica)."""
+
+    block_ids: list[int]
 
 
 class RankWorkers:

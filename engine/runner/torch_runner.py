@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed import Store
 
-from engine.attention.base import BatchLayout
+from engine.attention.base import FP8_KV, BatchLayout
 from engine.attention.registry import AttentionShape, get_attention_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.config import EngineConfig
@@ -40,12 +41,12 @@ from engine.runner.gpu_self_check import PartCheck, check_graphs, check_kernels,
 from engine.runner.kv_budget import num_cache_blocks, warn_if_short
 from engine.runner.kv_swap import swap_blocks
 from engine.runner.kv_tensors import device_caches, host_caches, kv_dtype
-from engine.runner.kv_transfer import read_kv, refusal, write_kv
+from engine.runner.kv_transfer import on_host, read_kv, refusal, write_kv
 from engine.runner.launched_step import DeviceClock, LaunchedStep
 from engine.runner.packed_inputs import packed_inputs
 from engine.runner.pooler import Pooler, has_pooling
 from engine.runner.rank_bundles import DEVICE_INDEX_ENV
-from engine.runner.tensor_parallel import RankedStep, RankWorkers
+from engine.runner.tensor_parallel import GatherKV, RankedStep, RankWorkers
 from engine.sampling.logprobs import PromptLogprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling.verification import rejection_verified, verification_rows
@@ -148,6 +149,8 @@ class TorchModelRunner:
         self.scratch_block = self._num_blocks
         shape = (self._num_blocks + 1, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = device_caches(shape, self.kv_dtype, self.device, spec.num_layers)
+        # A sequence's KV holds every head: this rank's share starts here.
+        self._first_kv_head = self.tp.shard.rank * spec.num_kv_heads if self.tp else 0
         self._num_host_blocks = 0
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if config.scheduler.preemption_mode == "swap":
@@ -189,14 +192,21 @@ class TorchModelRunner:
         """Queue the step on the device (ModelRunner.execute's work); its result waits."""
         if self.workers is None:
             return self._launch(scheduler_output)
-        self.workers.send(scheduler_output)  # the other ranks run the same step
+        # The other ranks run the same step (KV imports' bytes from the host: their GPUs are
+        # not rank 0's).
+        imports = [(on_host(kv), block_ids) for kv, block_ids in scheduler_output.kv_imports]
+        self.workers.send(dataclasses.replace(scheduler_output, kv_imports=imports))
         # A failure in a collective, at launch or when collected, names the rank it lost.
         step = RankedStep(self.workers, lambda: self._launch(scheduler_output))
         return ReadyStep(step.result()) if step.ready else step
 
-    def follow(self, scheduler_output: SchedulerOutput) -> None:
-        """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's)."""
-        self._launch(scheduler_output, sample=False).result()
+    def follow(self, step: SchedulerOutput | GatherKV) -> None:
+        """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's), or of
+        its gather of a sequence's KV."""
+        if isinstance(step, GatherKV):
+            self._gathered_kv(step.block_ids, [])
+        else:
+            self._launch(step, sample=False).result()
 
     def use_draft_probs(self, draft_probs: Callable[[str], torch.Tensor | None]) -> None:
         """Rejection sampling: the draft distributions of rows whose drafts were sampled."""
@@ -206,17 +216,31 @@ class TorchModelRunner:
         self.sampler.grammars = grammars  # structured outputs: the sampler masks their rows
 
     def export_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV | None:
-        """The KV of a sequence's first tokens, in `block_ids`, as plain data (None with
-        tensor parallelism: each rank holds a share of the heads)."""
-        if self.tp is not None:
+        """The KV of a sequence's first tokens, in `block_ids`, every head of it (with
+        tensor parallelism, gathered from the ranks' shares): any replica of the model
+        takes it, whatever its ranks. None where it cannot leave (FP8 over ranks, each with
+        its own scales; a rank lost)."""
+        if self.workers is None:
+            return read_kv(self.kv_caches, block_ids, token_ids, self.block_size, self.model)
+        if self.kv_dtype == FP8_KV or self.workers.problem() is not None:
             return None
-        return read_kv(self.kv_caches, block_ids, token_ids, self.block_size, self.model)
+        try:
+            self.workers.send(GatherKV(block_ids))
+            return self._gathered_kv(block_ids, token_ids)
+        except RuntimeError as exc:
+            logger.warning("a sequence's KV could not be gathered from the ranks: %s", exc)
+            return None
+
+    def _gathered_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV:
+        assert self.tp is not None
+        kv = read_kv(self.kv_caches, block_ids, token_ids, self.block_size, self.model)
+        # [layers, 2, blocks, block_size, heads, head_bytes]: the ranks' heads in order.
+        return dataclasses.replace(kv, data=self.tp.all_gather(kv.data, dim=4))
 
     def kv_refusal(self, kv: SequenceKV) -> str | None:
         """Why this cache cannot take `kv` (then the sequence computes it again), or None."""
-        if self.tp is not None:
-            return "tensor-parallel ranks each hold a share of the heads"
-        return refusal(kv, self.kv_caches, self.block_size)
+        world = self.tp.shard.world_size if self.tp is not None else 1
+        return refusal(kv, self.kv_caches, self.block_size, world)
 
     def health_problem(self) -> str | None:
         """Why this runner cannot step (a tensor-parallel rank's process ended), or None."""
@@ -236,7 +260,7 @@ class TorchModelRunner:
             swap = scheduler_output.blocks_to_swap_out, scheduler_output.blocks_to_swap_in
             swap_blocks(self.kv_caches, self.host_caches, *swap)
         for kv, block_ids in scheduler_output.kv_imports:
-            write_kv(self.kv_caches, kv, block_ids, self.model)
+            write_kv(self.kv_caches, kv, block_ids, self.model, self._first_kv_head)
         if scheduler_output.is_empty:
             return ReadyStep(ModelRunnerOutput({}))
         # Decodes first: the attention backend batches them as one call; then by LoRA slot, so

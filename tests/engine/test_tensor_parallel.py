@@ -22,6 +22,8 @@ from engine.model.tiny_model import make_model
 from engine.model.weight_loader import load_decoder
 from tests.conftest import REPO, build_engine, tiny_model_dir
 from tests.engine.test_oracle import random_prompts, run_mix, scenario_engine
+from tests.engine.test_sequence_kv import GREEDY, move, run, tokens
+from tests.engine.test_sequence_kv import engine as kv_engine
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,40 @@ def test_embeddings_within_1e_5_of_one_rank(wide_model):
             engine.close()
     for rid, vector in vectors[1].items():
         assert torch.allclose(vectors[2][rid], vector, atol=1e-5, rtol=0), rid
+
+
+@pytest.mark.parametrize(("source_world", "target_world"), [(2, 2), (2, 1), (1, 2)])
+def test_a_sequence_moves_with_its_kv_whatever_the_ranks_at_either_end(
+    wide_model, source_world, target_world
+):
+    """Rank 0 gathers every head of a moving sequence's blocks from the ranks; each rank of
+    the target writes its share: it goes on exactly, its context not computed again."""
+    source = kv_engine(wide_model, tensor_parallel_size=source_world)
+    target = kv_engine(wide_model, tensor_parallel_size=target_world)
+    try:
+        whole = run(source, "whole", GREEDY)
+        before, after, kv, computed = move(source, target, "r", GREEDY, steps=3)
+        assert kv is not None and kv.data.shape[4] == 4  # every KV head of the model
+        assert tokens(before) + tokens(after) == tokens(whole)
+        assert computed == [1] * len(tokens(after))
+        assert target.num_kv_refused == 0
+    finally:
+        source.close()
+        target.close()
+
+
+def test_fp8_kv_of_tensor_parallel_ranks_stays_and_is_computed_again(wide_model):
+    """Each rank measures its own FP8 scales: the KV does not leave, and the target computes
+    the context (the tokens are the same)."""
+    fp8 = {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True}
+    source = kv_engine(wide_model, tensor_parallel_size=2, **fp8)
+    target = kv_engine(wide_model, **fp8)
+    try:
+        whole = run(source, "whole", GREEDY)
+        before, after, kv, computed = move(source, target, "r", GREEDY, steps=3)
+        assert kv is None
+        assert len(tokens(before) + tokens(after)) == len(tokens(whole))
+        assert sum(computed) > len(tokens(after))  # its context computed here
+    finally:
+        source.close()
+        target.close()

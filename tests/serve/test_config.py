@@ -251,8 +251,8 @@ def _engine_deployments(ingress) -> list:
 
 def test_disaggregation_adds_a_prefill_pool_per_model(tiny_model: str):
     """A prefill deployment of EngineServer replicas in prefill_only mode, its own fixed
-    count and CPUs, beside the decode pool (the engine deployment, autoscaled as set); a
-    tensor-parallel engine is refused (its KV does not move yet)."""
+    count and CPUs, beside the decode pool (the engine deployment, autoscaled as set),
+    tensor-parallel engines too (their KV moves whole: tests/engine/test_tensor_parallel.py)."""
     from serve_app import build_app
     from serve_app.deploy.builder import PREFILL_SERVER
 
@@ -270,9 +270,13 @@ def test_disaggregation_adds_a_prefill_pool_per_model(tiny_model: str):
     assert decode_pool._deployment_config.autoscaling_config is not None  # deploy.yaml's
     plain = build_app(dict(deploy_yaml_args(), model=tiny_model))._bound_deployment
     assert plain.init_args[7] == [None]
-    tp = args | {"engine": {"tensor_parallel_size": 2}}
-    with pytest.raises(ValueError, match="disaggregation: needs engine.tensor_parallel_size 1"):
-        AppArgs.model_validate(tp)
+    tp = AppArgs.model_validate(args | {"engine": {"tensor_parallel_size": 2}})
+    assert tp.prefill_pool().engine.tensor_parallel_size == 2
+    # The prefill pool's own ranks (the KV moves whole), a GPU each.
+    gpus = {"num_replicas": 1, "num_gpus": 1}
+    wide = {"prefill_replicas": gpus, "prefill_engine": {"tensor_parallel_size": 2}}
+    with pytest.raises(ValueError, match="prefill_replicas.num_gpus .1. must equal 2"):
+        AppArgs.model_validate(args | {"disaggregation": wide})
 
 
 def test_a_prefill_pool_batches_caches_and_scales_by_its_own_settings(tiny_model: str):

@@ -1,6 +1,7 @@
 """An app whose engine replica spans two tensor-parallel ranks (CPU, gloo): the openai client
 gets the tokens of a one-rank replica, and a rank killed mid-stream fails that replica's
-requests with an error naming the rank until Serve has replaced the replica."""
+requests with an error naming the rank until Serve has replaced the replica. A prefill pool
+of two ranks hands every sequence on with its KV to a decode pool of one."""
 
 from __future__ import annotations
 
@@ -107,3 +108,36 @@ def test_a_killed_rank_fails_its_requests_and_serve_replaces_the_replica(serve_c
         time.sleep(1)
     assert text == _greedy(serve_cluster.v1(), PROMPTS[0])
     assert len(_ranks(after["pid"])) == 1
+
+
+def test_a_prefill_pool_of_two_ranks_hands_the_kv_to_a_decode_pool_of_one(serve_cluster, tp_app):
+    """Disaggregated, two ranks per prefill replica and one per decode replica: every
+    sequence's KV leaves the prefill replica with every head (gathered from its ranks) and
+    the decode replica takes it whole; the openai client gets a colocated replica's
+    tokens."""
+    from ray import serve
+
+    from serve_app import build_app
+    from serve_app.deploy.builder import PREFILL_SERVER
+
+    app = "tppd"
+    replicas = {"num_replicas": 1, "num_cpus": 0.2}
+    args = app_args(
+        serve_cluster.model,
+        engine_replicas=replicas,
+        disaggregation={
+            "prefill_replicas": replicas,
+            "prefill_engine": {"tensor_parallel_size": 2},
+        },
+    )
+    serve.run(build_app(args), name=app, route_prefix=f"/{app}")
+    try:
+        for prompt in PROMPTS:
+            assert _greedy(serve_cluster.v1(app), prompt) == _greedy(serve_cluster.v1(), prompt)
+        prefill = serve.get_deployment_handle(PREFILL_SERVER, app_name=app)
+        decode = serve_cluster.engine_handle(app).stats.remote().result()
+        assert prefill.stats.remote().result()["num_handed_on"] == len(PROMPTS)
+        assert decode["num_kv_carried"] == len(PROMPTS), decode
+        assert decode["num_kv_refused"] == decode["num_kv_fetch_failures"] == 0, decode
+    finally:
+        serve.delete(app)
