@@ -215,8 +215,9 @@ class LLMEngine:
 
     def move_out(self, request_ids: list[str]) -> dict[str, SequenceKV | None]:
         """End requests here so that they go on at another replica (`Resume` with `kv`);
-        returns each one's KV: its computed tokens' blocks as plain data, or None where there
-        is nothing to export (not computed yet, swapped to the host, a runner that cannot).
+        returns each one's KV: its computed tokens' blocks (in the device cache, or the host
+        pool where it was swapped out) as plain data, or None where there is nothing to
+        export (not computed yet, a runner that cannot).
         Call it with no step in flight (`settle`)."""
         assert not self.core.in_flight, "settle the steps in flight first"
         export = getattr(self.runner, "export_kv", None)
@@ -229,9 +230,12 @@ class LLMEngine:
             # The last token is computed where it goes on: its logits give the next one.
             n = min(request.num_computed_tokens, request.num_tokens - 1)
             kv = None
-            if export is not None and n > 0 and request.status == RequestStatus.RUNNING:
-                blocks = kv_cache.block_ids(rid)[: kv_cache.blocks_needed(n)]
-                kv = export(blocks, request.all_token_ids[:n])
+            swapped = request.status == RequestStatus.SWAPPED
+            running = request.status == RequestStatus.RUNNING
+            if export is not None and n > 0 and (swapped or running):
+                table = kv_cache.host_block_ids(rid) if swapped else kv_cache.block_ids(rid)
+                blocks = table[: kv_cache.blocks_needed(n)]
+                kv = export(blocks, request.all_token_ids[:n], swapped)
             moved[rid] = kv
         self.scheduler.finish_requests(list(moved), RequestStatus.FINISHED_MOVED)
         for rid in moved:

@@ -243,6 +243,10 @@ class KVCacheManager:
         """The request's block table. NOTE: a live list; read it before the next allocation."""
         return self._block_ids.get(request_id, [])
 
+    def host_block_ids(self, request_id: str) -> list[int]:
+        """A swapped request's host blocks, which hold its KV."""
+        return [b.block_id for b in self._host.get(request_id, [])]
+
     def free(self, request_id: str) -> None:
         """Return every block of the request to the pool (no-op if it holds none)."""
         blocks = self._blocks.pop(request_id, None)

@@ -13,7 +13,8 @@ class ModelRunner(Protocol):
     A runner may also offer `launch(scheduler_output) -> PendingStep` (engine.core.outputs):
     `execute`'s work, whose result may still be on its way (a GPU's); EngineCore uses it where
     present. One that can move sequences to other replicas with their KV offers
-    `export_kv(block_ids, token_ids) -> SequenceKV | None` and `kv_refusal(kv) -> str | None`
+    `export_kv(block_ids, token_ids, swapped) -> SequenceKV | None` (`swapped`: the blocks
+    are the host pool's) and `kv_refusal(kv) -> str | None`
     (engine.core.sequence_kv), and writes a step's `kv_imports` before computing it. Rows
     whose input token is UNKNOWN_TOKEN take the token the step launched just before samples
     for that request."""

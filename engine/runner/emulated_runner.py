@@ -142,7 +142,9 @@ class EmulatedRunner:
     def num_host_blocks(self) -> int:
         return 0
 
-    def export_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV:
+    def export_kv(
+        self, block_ids: list[int], token_ids: list[int], swapped: bool = False
+    ) -> SequenceKV:
         """A sequence's progress without tensors (there are none): the count moves."""
         return SequenceKV(list(token_ids), self.block_size, "emulated")
 

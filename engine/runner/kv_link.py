@@ -185,6 +185,8 @@ class KVLink:
         if p2p:
             try:
                 return self._fetch_p2p(offer, device)
+            except LookupError:  # the offer is gone: no other way has it either
+                raise
             except Exception as exc:
                 self.num_p2p_failures += 1
                 logger.warning("p2p KV transfer failed (%r): taking it through the host", exc)
@@ -222,6 +224,8 @@ class KVLink:
                         )
                         pair.group = _group(store, pair.name, 1, device, self.timeout_s)
                     _p2p(lambda: pair.group.recv([data], 0, 0), device)
+            except LookupError:  # asked for an offer withdrawn: the group is sound
+                raise
             except Exception:
                 pair.group = None  # the next transfer makes a new one
                 raise

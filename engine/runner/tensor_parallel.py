@@ -38,6 +38,7 @@ class GatherKV:
     join rank 0's gather of them (a sequence's KV leaving the replica)."""
 
     block_ids: list[int]
+    swapped: bool  # the blocks are the host pool's
 
 
 class RankWorkers:

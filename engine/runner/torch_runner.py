@@ -204,7 +204,7 @@ class TorchModelRunner:
         """Ranks 1..N-1: this rank's share of rank 0's step (its sampling is rank 0's), or of
         its gather of a sequence's KV."""
         if isinstance(step, GatherKV):
-            self._gathered_kv(step.block_ids, [])
+            self._gathered_kv(step.block_ids, [], step.swapped)
         else:
             self._launch(step, sample=False).result()
 
@@ -215,25 +215,31 @@ class TorchModelRunner:
     def use_grammars(self, grammars: GrammarBank) -> None:
         self.sampler.grammars = grammars  # structured outputs: the sampler masks their rows
 
-    def export_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV | None:
-        """The KV of a sequence's first tokens, in `block_ids`, every head of it (with
-        tensor parallelism, gathered from the ranks' shares): any replica of the model
-        takes it, whatever its ranks. None where it cannot leave (FP8 over ranks, each with
-        its own scales; a rank lost)."""
+    def export_kv(
+        self, block_ids: list[int], token_ids: list[int], swapped: bool = False
+    ) -> SequenceKV | None:
+        """The KV of a sequence's first tokens, in `block_ids` (of the host pool where
+        `swapped`), every head of it (with tensor parallelism, gathered from the ranks'
+        shares): any replica of the model takes it, whatever its ranks. None where it cannot
+        leave (FP8 over ranks, each with its own scales; a rank lost)."""
         if self.workers is None:
-            return read_kv(self.kv_caches, block_ids, token_ids, self.block_size, self.model)
+            caches = self.host_caches if swapped else self.kv_caches
+            return read_kv(caches, block_ids, token_ids, self.block_size, self.model)
         if self.kv_dtype == FP8_KV or self.workers.problem() is not None:
             return None
         try:
-            self.workers.send(GatherKV(block_ids))
-            return self._gathered_kv(block_ids, token_ids)
+            self.workers.send(GatherKV(block_ids, swapped))
+            return self._gathered_kv(block_ids, token_ids, swapped)
         except RuntimeError as exc:
             logger.warning("a sequence's KV could not be gathered from the ranks: %s", exc)
             return None
 
-    def _gathered_kv(self, block_ids: list[int], token_ids: list[int]) -> SequenceKV:
+    def _gathered_kv(self, block_ids: list[int], token_ids: list[int], swapped: bool) -> SequenceKV:
         assert self.tp is not None
-        kv = read_kv(self.kv_caches, block_ids, token_ids, self.block_size, self.model)
+        caches = self.host_caches if swapped else self.kv_caches
+        kv = read_kv(caches, block_ids, token_ids, self.block_size, self.model)
+        if swapped:  # the group gathers on the ranks' device
+            kv = dataclasses.replace(kv, data=kv.data.to(self.device))
         # [layers, 2, blocks, block_size, heads, head_bytes]: the ranks' heads in order.
         return dataclasses.replace(kv, data=self.tp.all_gather(kv.data, dim=4))
 

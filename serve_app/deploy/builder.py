@@ -13,8 +13,9 @@ from ray.serve.deployment import Application
 
 from cluster.controller import ClusterController
 from cluster.live_settings import fingerprint
-from serve_app.config import AppArgs, AutoscalingArgs
+from serve_app.config import AppArgs
 from serve_app.deploy.cpu_share import RayCpus, engine_cpus, engine_replicas_that_fit
+from serve_app.deployment_args import AutoscalingArgs
 from serve_app.ingress.deployment import OpenAIIngress
 from serve_app.observability.metrics_board import EngineMetricsBoard
 from serve_app.observability.traffic_trace import TrafficTrace

@@ -27,7 +27,8 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster import live_settings
 from cluster.live_settings import LiveSettings
-from serve_app.config import AppArgs, AutoscalingArgs, first_error, merged
+from serve_app.config import AppArgs, first_error, merged
+from serve_app.deployment_args import AutoscalingArgs
 from serve_app.engine_args import EngineArgs
 from serve_app.openai.errors import OpenAIError
 

@@ -234,3 +234,42 @@ def test_the_async_engine_ends_moved_streams_after_their_last_delta(tiny_model):
         await source.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_sequence_swapped_to_the_host_moves_with_its_kv_from_there(tiny_model):
+    """A request preempted by swap (its KV in the host pool) when its replica moves it out:
+    the KV leaves from the host pool, and it goes on at the target without recomputing."""
+    move_swapped(tiny_model, engine(tiny_model))
+
+
+def move_swapped(model: str, target, **knobs) -> None:
+    """Two requests at a source too small for both (`knobs`: more of its build), one
+    swapped out to the host pool, moved out from there to `target`: checks it goes on as an
+    undisturbed run without recomputing, and every block comes back at both ends."""
+    reference = engine(model, **knobs)
+    whole = run(reference, "whole", GREEDY)
+    reference.close()
+    tight = {"enable_prefix_caching": False, "preemption_mode": "swap", "num_host_blocks": 40}
+    source = build_engine(model, 4, 12, max_num_seqs=4, max_num_batched_tokens=16, **tight, **knobs)
+    try:
+        for rid in ("a", "b"):  # each needs 7 of the 12 blocks by its end: one is swapped out
+            source.add_prepared(source.make_request(rid, PROMPT, GREEDY))
+        outs: dict[str, list] = {"a": [], "b": []}
+        while not (swapped := source.scheduler.kv_cache.swapped_ids()):
+            assert source.has_unfinished_requests(), "nothing was swapped out"
+            for out in source.step():
+                outs[out.request_id].append(out)
+        before = outs[(rid := swapped.pop())]
+        before += [o for o in source.settle() if o.request_id == rid]
+        kv = source.move_out([rid])[rid]
+        assert kv is not None and kv.num_tokens == len(PROMPT) + len(tokens(before)) - 1
+        computed = counting_tokens(target)
+        after = run(target, rid, GREEDY, resume=Resume(tokens(before), len(text(before)), kv))
+        assert tokens(before) + tokens(after) == tokens(whole)
+        assert computed == [1] * len(tokens(after))
+        assert_no_block_held(target)
+        source.abort([r for r in outs if r != rid])
+        assert source.scheduler.kv_cache.num_free_host_blocks == 40
+        assert_no_block_held(source)
+    finally:
+        source.close()

@@ -22,7 +22,7 @@ from engine.model.tiny_model import make_model
 from engine.model.weight_loader import load_decoder
 from tests.conftest import REPO, build_engine, tiny_model_dir
 from tests.engine.test_oracle import random_prompts, run_mix, scenario_engine
-from tests.engine.test_sequence_kv import GREEDY, move, run, tokens
+from tests.engine.test_sequence_kv import GREEDY, move, move_swapped, run, tokens
 from tests.engine.test_sequence_kv import engine as kv_engine
 
 
@@ -263,4 +263,12 @@ def test_fp8_kv_of_tensor_parallel_ranks_stays_and_is_computed_again(wide_model)
         assert sum(computed) > len(tokens(after))  # its context computed here
     finally:
         source.close()
+        target.close()
+
+
+def test_a_swapped_sequence_of_tensor_parallel_ranks_moves_from_their_host_pools(wide_model):
+    target = kv_engine(wide_model)
+    try:
+        move_swapped(wide_model, target, tensor_parallel_size=2)
+    finally:
         target.close()

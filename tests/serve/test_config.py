@@ -47,7 +47,8 @@ def test_bad_args_name_the_field(patch, field):
 
 
 def test_every_field_is_documented():
-    from serve_app.config import BatchingArgs, EngineArgs, ReplicaArgs, RoutingArgs
+    from serve_app.config import BatchingArgs, EngineArgs
+    from serve_app.deployment_args import ReplicaArgs, RoutingArgs
 
     for model in (AppArgs, EngineArgs, BatchingArgs, RoutingArgs, ReplicaArgs):
         for name, info in model.model_fields.items():
