@@ -10,8 +10,9 @@ the bytes one of two ways:
   group is made at its first transfer and kept for the next; the target sends one transfer
   at a time on it (NCCL matches sends and receives by order alone).
 - "host": the bytes on the connection itself (from a GPU, copied to the host first): where
-  no p2p path exists or it failed, and the CPU's way (on one host a socket moves them faster
-  than the object store: docs/cluster.md).
+  no p2p path exists, or p2p failed with that source (then for every later transfer from
+  it). Between CPU replicas on one host Ray's object store moves KV faster than a socket
+  (docs/cluster.md), so `kv_transport: auto` takes the link from GPU caches only.
 An offer stands until the source withdraws it (the sequence has gone on elsewhere), so a
 target that dies before importing the KV leaves it for the next one.
 """
@@ -75,7 +76,7 @@ class KVLink:
         self._lock = threading.Lock()
         self._server: socketserver.ThreadingTCPServer | None = None
         self._store: dist.TCPStore | None = None  # the p2p groups' rendezvous, as a source
-        self._sending: dict[str, dist.ProcessGroup] = {}  # p2p groups by name, as a source
+        self._sending: dict[str, Any] = {}  # p2p groups (torch backends) by name, as a source
         self._taking: dict[tuple[str, int], _Pair] = {}  # p2p groups by source, as a target
         self.num_sent = {"p2p": 0, "host": 0}
         self.num_taken = {"p2p": 0, "host": 0}
@@ -138,16 +139,20 @@ class KVLink:
                     with self._lock:
                         self._sending.pop(ask["group"], None)
                     raise
-                self.num_sent["p2p"] += 1
+                self._count(self.num_sent, "p2p")
             else:
                 host = data.cpu() if data.device.type != "cpu" else data
                 _reply(conn, {"nbytes": host.numel()})
                 view = memoryview(host.numpy())
                 for start in range(0, len(view), _CHUNK):
                     conn.sendall(view[start : start + _CHUNK])
-                self.num_sent["host"] += 1
+                self._count(self.num_sent, "host")
         except Exception as exc:
             logger.warning("a KV transfer from %s failed: %r", self.name, exc)
+
+    def _count(self, counts: dict[str, int], way: str) -> None:
+        with self._lock:  # transfers end on several threads at once
+            counts[way] += 1
 
     def _rendezvous(self) -> int:
         with self._lock:
@@ -162,7 +167,7 @@ class KVLink:
                 )
             return self._store.port
 
-    def _sending_group(self, name: str, device: torch.device) -> dist.ProcessGroup:
+    def _sending_group(self, name: str, device: torch.device) -> Any:
         with self._lock:
             group = self._sending.get(name)
             store = self._store
@@ -182,14 +187,24 @@ class KVLink:
         if p2p is None:
             both_gpus = offer.device == device.type == "cuda"
             p2p = both_gpus and dist.is_nccl_available()
-        if p2p:
+        with self._lock:
+            pair = self._taking.setdefault((offer.host, offer.port), _Pair())
+        if p2p and not pair.failed:
             try:
-                return self._fetch_p2p(offer, device)
+                return self._fetch_p2p(offer, device, pair)
             except LookupError:  # the offer is gone: no other way has it either
                 raise
             except Exception as exc:
-                self.num_p2p_failures += 1
-                logger.warning("p2p KV transfer failed (%r): taking it through the host", exc)
+                pair.failed = True
+                with self._lock:
+                    self.num_p2p_failures += 1
+                logger.warning(
+                    "p2p KV transfer from %s:%d failed (%r): taking its KV through the host "
+                    "from now on",
+                    offer.host,
+                    offer.port,
+                    exc,
+                )
         return self._fetch_host(offer)
 
     def _fetch_host(self, offer: KVOffer) -> SequenceKV:
@@ -201,13 +216,10 @@ class KVLink:
                 if n == 0:
                     raise ConnectionError("the source closed the link mid-transfer")
                 got += n
-        self.num_taken["host"] += 1
+        self._count(self.num_taken, "host")
         return dataclasses.replace(offer.kv, data=data.reshape(offer.shape))
 
-    def _fetch_p2p(self, offer: KVOffer, device: torch.device) -> SequenceKV:
-        key = (offer.host, offer.port)
-        with self._lock:
-            pair = self._taking.setdefault(key, _Pair())
+    def _fetch_p2p(self, offer: KVOffer, device: torch.device, pair: _Pair) -> SequenceKV:
         with pair.lock:  # one transfer at a time on a pair's group
             if pair.group is None:
                 pair.name = f"{self.name}>{offer.host}:{offer.port}#{next(self._ids)}"
@@ -227,9 +239,9 @@ class KVLink:
             except LookupError:  # asked for an offer withdrawn: the group is sound
                 raise
             except Exception:
-                pair.group = None  # the next transfer makes a new one
+                pair.group = None
                 raise
-        self.num_taken["p2p"] += 1
+        self._count(self.num_taken, "p2p")
         return dataclasses.replace(offer.kv, data=data.reshape(offer.shape))
 
     def _connect(self, offer: KVOffer, mode: str, group: str | None) -> _Connection:
@@ -251,6 +263,9 @@ class _Pair:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     name: str = ""
     group: Any = None
+    # A p2p transfer from this source failed (NCCL refuses two ranks on one GPU; a timeout):
+    # the host way from then on, rather than a failure (and its timeout) per transfer.
+    failed: bool = False
 
 
 class _Connection:
@@ -289,9 +304,7 @@ def _read_line(conn: socket.socket) -> bytes:
     return bytes(line)
 
 
-def _group(
-    store: dist.Store, name: str, rank: int, device: torch.device, timeout_s: float
-) -> dist.ProcessGroup:
+def _group(store: dist.Store, name: str, rank: int, device: torch.device, timeout_s: float) -> Any:
     """The pair's two-rank group: NCCL for GPU tensors, gloo for CPU ones."""
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(f"kv-link/{name}", store)

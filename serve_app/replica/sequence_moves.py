@@ -84,9 +84,11 @@ class SequenceMoves:
         """A moved sequence's Resume with its KV fetched from the replica it left (the
         ingress passes the KV's offer or ObjectRef); without it where that fails (the
         replica died: the context is computed here)."""
-        if resume is None or not isinstance(resume.kv, KVOffer | ray.ObjectRef):
+        if resume is None or resume.kv is None:
             return resume
         self.num_moved_in += 1
+        if not isinstance(resume.kv, KVOffer | ray.ObjectRef):  # plain (an emulated engine's)
+            return resume
         try:
             if isinstance(resume.kv, KVOffer):
                 device = getattr(self.engine.engine.runner, "device", torch.device("cpu"))

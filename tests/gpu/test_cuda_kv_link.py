@@ -29,8 +29,8 @@ def cuda_engine(model: str, device: str):
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_kv_moves_between_cuda_engines_over_the_link(tiny_model, params):
     two_gpus = torch.cuda.device_count() >= 2
-    source = cuda_engine(tiny_model, "cuda:0")
-    target = cuda_engine(tiny_model, "cuda:1" if two_gpus else "cuda:0")
+    source = cuda_engine(tiny_model, "cuda")
+    target = cuda_engine(tiny_model, "cuda:1" if two_gpus else "cuda")
     whole = run(source, "whole", params)
     before = run(source, "r", params, steps=3) + source.settle()
     kv = source.move_out(["r"])["r"]
