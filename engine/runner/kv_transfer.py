@@ -4,10 +4,11 @@ Blocks leave as bytes: one buffer [layers, 2, blocks, block_size, kv_heads, head
 whatever the cache's dtype (numpy has no bfloat16 or FP8), a tensor where the cache is (the
 direct link between replicas, engine/runner/kv_link.py, sends it from there) or a numpy
 array on the host (`on_host`: Ray's object store moves it without a copy into Python
-objects). An FP8 cache's bytes mean something only with their
-scales: a target whose scales are not measured yet takes the source's, one with the same
-scales writes the bytes as they are, and one with other scales re-quantizes them (the one
-case where the tokens may differ from an undisturbed run's).
+objects). An FP8 cache's bytes mean something only with their scales: a target whose scales
+are not measured yet takes the source's, one with the same scales writes the bytes as they
+are, and one with other scales re-quantizes them (the one case where the tokens may differ
+from an undisturbed run's). With tensor parallelism the buffer holds every head (rank 0
+gathers them) and each rank writes its share.
 """
 
 from __future__ import annotations

@@ -194,8 +194,11 @@ class TorchModelRunner:
             return self._launch(scheduler_output)
         # The other ranks run the same step (KV imports' bytes from the host: their GPUs are
         # not rank 0's).
-        imports = [(on_host(kv), block_ids) for kv, block_ids in scheduler_output.kv_imports]
-        self.workers.send(dataclasses.replace(scheduler_output, kv_imports=imports))
+        for_ranks = scheduler_output
+        if imports := scheduler_output.kv_imports:
+            on_hosts = [(on_host(kv), block_ids) for kv, block_ids in imports]
+            for_ranks = dataclasses.replace(scheduler_output, kv_imports=on_hosts)
+        self.workers.send(for_ranks)
         # A failure in a collective, at launch or when collected, names the rank it lost.
         step = RankedStep(self.workers, lambda: self._launch(scheduler_output))
         return ReadyStep(step.result()) if step.ready else step
