@@ -9,6 +9,7 @@ torch.distributed's global one, so a process may hold several engines (tests do)
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,18 @@ from engine.model.sharding import Shard
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
+def process_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta
+) -> Any:
+    """A group of our own over `store` (prefixed by the caller): NCCL for CUDA tensors,
+    gloo for CPU ones (a torch backend: send, recv and the collectives)."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
 class TensorParallel:
     """One rank's collectives over the ranks of its engine."""
 
@@ -28,13 +41,7 @@ class TensorParallel:
         self.shard = shard
         self.device = device
         store = dist.PrefixStore("dynabatch-tp", store)
-        rank, size = shard.rank, shard.world_size
-        if device.type == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            self._group = dist.ProcessGroupNCCL(store, rank, size, options)
-        else:
-            self._group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+        self._group = process_group(store, shard.rank, shard.world_size, device, COLLECTIVE_TIMEOUT)
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """The elementwise reduction over ranks (in place where `t` is contiguous)."""

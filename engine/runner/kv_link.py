@@ -19,6 +19,7 @@ target that dies before importing the KV leaves it for the next one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -28,6 +29,7 @@ import os
 import socket
 import socketserver
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from engine.core.sequence_kv import SequenceKV
+from engine.model.collectives import process_group
 
 logger = logging.getLogger(__name__)
 
@@ -244,8 +247,11 @@ class KVLink:
         self._count(self.num_taken, "p2p")
         return dataclasses.replace(offer.kv, data=data.reshape(offer.shape))
 
-    def _connect(self, offer: KVOffer, mode: str, group: str | None) -> _Connection:
-        return _Connection(offer, {"offer": offer.offer_id, "mode": mode, "group": group}, self)
+    def _connect(
+        self, offer: KVOffer, mode: str, group: str | None
+    ) -> contextlib.AbstractContextManager[tuple[socket.socket, dict[str, Any]]]:
+        ask = {"offer": offer.offer_id, "mode": mode, "group": group}
+        return _asking(offer, ask, self.timeout_s)
 
     def close(self) -> None:
         with self._lock:
@@ -268,26 +274,18 @@ class _Pair:
     failed: bool = False
 
 
-class _Connection:
-    """A target's request to a source's link: (socket, the source's answer) inside."""
-
-    def __init__(self, offer: KVOffer, ask: dict[str, Any], link: KVLink) -> None:
-        self.offer, self.ask, self.timeout_s = offer, ask, link.timeout_s
-        self.conn: socket.socket | None = None
-
-    def __enter__(self) -> tuple[socket.socket, dict[str, Any]]:
-        address = (self.offer.host, self.offer.port)
-        self.conn = conn = socket.create_connection(address, timeout=self.timeout_s)
+@contextlib.contextmanager
+def _asking(
+    offer: KVOffer, ask: dict[str, Any], timeout_s: float
+) -> Iterator[tuple[socket.socket, dict[str, Any]]]:
+    """A target's request to a source's link: (the connection, the source's answer)."""
+    with socket.create_connection((offer.host, offer.port), timeout=timeout_s) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _reply(conn, self.ask)
+        _reply(conn, ask)
         answer = json.loads(_read_line(conn))
         if "error" in answer:
             raise LookupError(answer["error"])
-        return conn, answer
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.conn is not None
-        self.conn.close()
+        yield conn, answer
 
 
 def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -295,6 +293,8 @@ def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
 
 
 def _read_line(conn: socket.socket) -> bytes:
+    """The answer's line, read a byte at a time: a buffered reader would take the first of
+    the bytes that follow it, which go straight into the receive buffer."""
     line = bytearray()
     while not line.endswith(b"\n"):
         byte = conn.recv(1)
@@ -306,16 +306,12 @@ def _read_line(conn: socket.socket) -> bytes:
 
 def _group(store: dist.Store, name: str, rank: int, device: torch.device, timeout_s: float) -> Any:
     """The pair's two-rank group: NCCL for GPU tensors, gloo for CPU ones."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        # A transfer that times out aborts the pair's communicator, never the process
+        # (whose other requests go on); read where a group is made.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     prefixed = dist.PrefixStore(f"kv-link/{name}", store)
-    if device.type != "cuda":
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-    # A transfer that times out aborts the pair's communicator, never the process (whose
-    # other requests go on); read where a group is made.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    return process_group(prefixed, rank, 2, device, datetime.timedelta(seconds=timeout_s))
 
 
 def _p2p(op: Any, device: torch.device) -> None:

@@ -92,7 +92,7 @@ class SequenceMoves:
         try:
             if isinstance(resume.kv, KVOffer):
                 device = getattr(self.engine.engine.runner, "device", torch.device("cpu"))
-                fetched = asyncio.to_thread(self.link.fetch, resume.kv, torch.device(device))
+                fetched = asyncio.to_thread(self.link.fetch, resume.kv, device)
             else:
                 fetched = resume.kv
             kv = await asyncio.wait_for(fetched, _KV_FETCH_TIMEOUT_S)
