@@ -46,20 +46,24 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     app_args.check_sources()  # a model that cannot be fetched fails the deploy, naming it
     models = app_args.per_model()
-    # The control plane's actors: no CPU of their own, on the nodes deploy.yaml says.
-    control = {"num_cpus": 0, "resources": dict(app_args.controller.resources)}
+    # The control plane's actors: no CPU of their own, on the nodes deploy.yaml says, checked
+    # as often as the engine replicas (Serve's defaults leave an actor that stopped answering,
+    # as one can after a network partition, in place for a minute and a half).
+    control = {
+        "ray_actor_options": {"num_cpus": 0, "resources": dict(app_args.controller.resources)},
+        "health_check_period_s": app_args.health.check_period_s,
+        "health_check_timeout_s": app_args.health.check_timeout_s,
+    }
     # Engine metrics for /metrics go through their own board, not the controllers.
-    board = EngineMetricsBoard.options(ray_actor_options=control).bind(
-        app_args.controller.stale_after_s
-    )
+    board = EngineMetricsBoard.options(**control).bind(app_args.controller.stale_after_s)
     store = None
     if app_args.api.stored_responses:  # the Responses API's, outliving any ingress replica
-        store = ResponseStore.options(ray_actor_options=control).bind(
+        store = ResponseStore.options(**control).bind(
             app_args.api.stored_responses, app_args.api.stored_response_ttl_s
         )
     trace = None
     if app_args.trace.enabled:  # the app's own traffic, from every ingress replica
-        trace = TrafficTrace.options(ray_actor_options=control).bind(
+        trace = TrafficTrace.options(**control).bind(
             app_args.trace.max_rows, app_args.trace.max_age_s
         )
     cpus = RayCpus.found()
@@ -72,7 +76,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             deployed = fingerprint(model_args.model_dump())
             tuning = tuning_plan(model_args, deployed) if model_args.tuning.auto else None
             controller = ClusterController.options(
-                name=deployment_name(ClusterController.name, named), ray_actor_options=control
+                name=deployment_name(ClusterController.name, named), **control
             ).bind(
                 model_args.batching.model_dump(),
                 model_args.engine.max_num_seqs,
@@ -85,7 +89,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         lora_board = None
         if model_args.engine.lora.enabled:  # the adapters served, for every ingress replica
             lora_board = LoRABoard.options(
-                name=deployment_name(LoRABoard.name, named), ray_actor_options=control
+                name=deployment_name(LoRABoard.name, named), **control
             ).bind(dict(model_args.engine.lora.adapters))
         engine = _engine(model_args, named, controller, board, cpus, len(models))
         engines.append(engine)

@@ -19,13 +19,17 @@ class HealthArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     check_period_s: float = Field(
-        2.0, gt=0.0, description="How often Serve checks each engine replica's health."
+        2.0,
+        gt=0.0,
+        description="How often Serve checks each engine replica's health, and the control "
+        "plane's actors' (the cluster controller, the metrics and LoRA boards, the stores).",
     )
     check_timeout_s: float = Field(
         10.0,
         gt=0.0,
         description="A health check unanswered this long counts as failed (a stopped process, "
-        "a hung event loop); after three failed checks in a row Serve replaces the replica.",
+        "a hung event loop, an actor cut off from the network); after three failed checks in a "
+        "row Serve replaces the replica.",
     )
     max_failed_steps: int = Field(
         3, ge=1, description="Consecutive failed engine steps that make a replica unhealthy."

@@ -3,12 +3,13 @@
 The head (ingress, Serve's proxy) and worker A are raylets of this process
 (ray.cluster_utils) at 10.231.N.1; worker B is `ray start --block` inside a network namespace
 of its own at 10.231.N.2, joined to the root namespace by a veth pair. One engine replica runs
-on each worker; once B's replica streams its share of the requests, B's link goes down (its
-processes live on, unreachable; requests not yet sent may go to B after). If Serve's router
-sent B none, they run again (up to 3 times). Serve's health checks find B's replica
-unresponsive and it is stopped; the requests it held resume at A's replica. Ray's own node
-health checks declare B dead later: in about 10 s here (NODE_HEALTH); at their defaults
-(about 65 s) a replacement replica Serve places on B, which Ray still lists, waits that long.
+on each worker; once B's replica streams its share of the requests, early in them, B's link
+goes down (its processes live on, unreachable; requests not yet sent may go to B after). If
+Serve's router sent B none, or the cut missed that window, they run again (up to 3 times).
+Serve's health checks find B's replica unresponsive and it is stopped; the requests it held
+resume at A's replica. Ray's own node health checks declare B dead later: in about 10 s here
+(NODE_HEALTH); at their defaults (about 65 s) a replacement replica Serve places on B, which
+Ray still lists, waits that long.
 Needs root (ip netns).
 
 Run as `python -m tests.chaos.netns_node`; prints one JSON object.
@@ -89,6 +90,14 @@ def _pids_under(root: int) -> set[int]:
         return set()
 
 
+def _actors_on(node_ip: str) -> list[str]:
+    import ray
+    from ray.util.state import list_actors
+
+    node = next(n["NodeID"] for n in ray.nodes() if n["NodeManagerAddress"] == node_ip)
+    return sorted(actor["class_name"] for actor in list_actors(filters=[("node_id", "=", node)]))
+
+
 def main() -> dict:
     os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
@@ -99,6 +108,7 @@ def main() -> dict:
     from serve_app import build_app
     from serve_app.deploy.local_cluster import free_port
     from tests.chaos.conftest import (
+        MAX_TOKENS,
         chaos_args,
         differences,
         run_all,
@@ -138,37 +148,53 @@ def main() -> dict:
         stage("app ready")
         before = _replicas(handle, 2, 60)
         on_b = {rid for rid, s in before.items() if s["pid"] in _pids_under(node_b.pid)}
+        result["on_b"] = _actors_on(ns_ip)  # for a failure's message
         result["one_replica_per_worker"] = len(before) == 2 and len(on_b) == 1
         cut_at: list[float] = []
 
-        def streaming_from_b() -> bool:
-            """B's replica decodes some requests and has streamed their deltas to the
-            ingress (past their first: a request cut off before its first delta is sent
-            again from its prompt, not resumed)."""
+        def b_stats() -> dict | None:
             (rid,) = on_b
             stats = handle.stats.remote(replica_id=rid).result(timeout_s=10)
-            if stats["replica_id"] != rid:
+            return stats if stats["replica_id"] == rid else None
+
+        def early_in_b_streams(since: int) -> bool:
+            """B's replica decodes requests it has streamed at least STREAMED deltas of this
+            run (`since`: its count before): each has its first delta at the ingress (a
+            request cut off before that is sent again from its prompt, not resumed). And
+            not past half of MAX_TOKENS a request (one near its end may finish before the
+            cut)."""
+            stats = b_stats()
+            if stats is None or stats["num_decoding"] == 0:
                 return False
-            return stats["num_decoding"] > 0 and stats["channel_deltas_total"] >= STREAMED
+            streamed = stats["channel_deltas_total"] - since
+            if STREAMED <= streamed <= stats["num_decoding"] * MAX_TOKENS // 2:
+                keys = ("num_decoding", "channel_deltas_total")
+                result["b_at_cut"] = {key: stats[key] for key in keys} | {"since": since}
+                return True
+            return False
 
         async def run_and_cut() -> list[str]:
             """The requests, and B's link cut once B's replica streams some of them (not
             once every stream started: B may finish its share before A's streams start)."""
+            for _ in range(20):  # a call may land at A's replica
+                if (before_run := await asyncio.to_thread(b_stats)) is not None:
+                    break
+            since = before_run["channel_deltas_total"] if before_run else 0
             run = asyncio.create_task(run_all(f"{base}/v1"))
             while not run.done():
-                if await asyncio.to_thread(streaming_from_b):
+                if await asyncio.to_thread(early_in_b_streams, since):
                     _ip("link", "set", host_link, "down")
                     cut_at.append(time.monotonic())
                     stage("link cut")
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.05)
             return await run
 
         for _ in range(3):  # Serve's router may send them all to A
             texts = asyncio.run(run_and_cut())
             if cut_at:
                 break
-            stage("no request streamed from B's replica: running them again")
+            stage("B's replica streamed none of them early enough: running them again")
         result["cut"] = bool(cut_at)
         result["seconds_after_cut"] = round(time.monotonic() - cut_at[0], 1) if cut_at else None
         stage("requests done")

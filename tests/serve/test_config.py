@@ -215,6 +215,31 @@ def test_an_ingress_replica_drains_longer_than_an_engine_replica(tiny_model: str
     assert engines and engines[0]._deployment_config.graceful_shutdown_timeout_s == 30
 
 
+def test_the_control_plane_is_health_checked_as_the_engines_are(tiny_model: str):
+    """The controller, the boards and the stores answer Serve's checks as often and as soon as
+    an engine replica must: one that stops answering (cut off from the network) is replaced in
+    seconds, not after Serve's defaults (three checks of 30 s)."""
+    from serve_app import build_app
+
+    args = dict(deploy_yaml_args(), model=tiny_model)
+    args["health"] = {"check_period_s": 1.5, "check_timeout_s": 4}
+    args["trace"], args["api"] = {"enabled": True}, {"stored_responses": 10}
+    args["engine"] = args.get("engine", {}) | {"lora": {"enabled": True}}
+    ingress = build_app(args)._bound_deployment
+    singles = [arg for arg in ingress.init_args if hasattr(arg, "_bound_deployment")]
+    listed = [app for arg in ingress.init_args if isinstance(arg, list) for app in arg]
+    listed = [app for app in listed if hasattr(app, "_bound_deployment")]
+    bound = [app._bound_deployment for app in singles + listed]
+    names = {d.name for d in bound}
+    control = {"ClusterController", "EngineMetricsBoard", "LoRABoard", "ResponseStore"}
+    assert control | {"TrafficTrace", "EngineServer"} == names, names
+    for deployment in bound:
+        config = deployment._deployment_config
+        assert (config.health_check_period_s, config.health_check_timeout_s) == (1.5, 4), (
+            deployment.name
+        )
+
+
 def test_building_the_app_leaves_cloudpickle_registry_alone(tiny_model: str, monkeypatch):
     """Serve would pickle the engines' router by value, registering and unregistering its
     module process-wide around it, which fails when a handle's thread does the same at once
