@@ -40,7 +40,7 @@ TP = {"engine": {"tensor_parallel_size": 2}}
 
 
 # Deploys tried until the two engine replicas run on different workers.
-_DEPLOYS = 3
+DEPLOYS = 3
 
 
 def _node_of(pid: int, workers: list) -> int | None:
@@ -76,7 +76,7 @@ def _ranks_with_leader(stats: dict[str, dict], workers: list) -> list[bool]:
     return same
 
 
-def _until_ok(url: str, text: str, timeout: float) -> float | None:
+def until_ok(url: str, text: str, timeout: float) -> float | None:
     """Seconds until `url` answers 200 with `text` in its body, or None."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -90,7 +90,9 @@ def _until_ok(url: str, text: str, timeout: float) -> float | None:
     return None
 
 
-def _replicas(handle, count: int, timeout: float) -> dict[str, dict]:
+def replica_stats(handle, count: int, timeout: float) -> dict[str, dict]:
+    """The stats of `count` engine replicas by replica id (fewer if not all answer within
+    `timeout`)."""
     seen: dict[str, dict] = {}
     deadline = time.monotonic() + timeout
     while len(seen) < count and time.monotonic() < deadline:
@@ -134,15 +136,15 @@ def main(scenario: str) -> dict:
         base = f"http://127.0.0.1:{port}/mn"
         # Each worker holds two engine replicas (so one can come back on the survivor), and
         # Ray's spreading of them is best effort: where both land on one node, deploy again.
-        for deploy in range(1, _DEPLOYS + 1):
+        for deploy in range(1, DEPLOYS + 1):
             stage("cluster up; deploying")
             app = build_app(chaos_args(tiny_model_dir(), **layout))
             serve.run(app, name="mn", route_prefix="/mn")
             stage("app running")
             handle = serve.get_deployment_handle("EngineServer", app_name="mn")
-            before = _replicas(handle, 2, 60)
+            before = replica_stats(handle, 2, 60)
             placement = sorted(str(_node_of(s["pid"], workers)) for s in before.values())
-            if len(set(placement)) == 2 or deploy == _DEPLOYS:
+            if len(set(placement)) == 2 or deploy == DEPLOYS:
                 break
             serve.delete("mn")
         result["placement"], result["deploys"] = placement, deploy
@@ -162,7 +164,7 @@ def main(scenario: str) -> dict:
         result["equal"] = texts == expected
         result["differences"] = differences(texts, expected)
         stage("undisturbed run")
-        after = _replicas(handle, 2, 90)  # Serve replaces the lost replica on the survivor
+        after = replica_stats(handle, 2, 90)  # Serve replaces the lost replica on the survivor
         result["replicas_after"] = len(after)
         survivor = workers.index(next(w for w in workers if w is not victim))
         result["on_survivor"] = sum(_node_of(s["pid"], workers) == survivor for s in after.values())
@@ -170,8 +172,8 @@ def main(scenario: str) -> dict:
         result["ranks_with_leader_after"] = _ranks_with_leader(after, workers)
         # Engine metrics come back once the board (restarted elsewhere if it was there) hears
         # from the replicas; the cluster view once the controller is back.
-        result["metrics_after_s"] = _until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)
-        result["cluster_after_s"] = _until_ok(f"{base}/v1/cluster", "replicas", 90)
+        result["metrics_after_s"] = until_ok(f"{base}/metrics", "dynabatch:num_requests", 90)
+        result["cluster_after_s"] = until_ok(f"{base}/v1/cluster", "replicas", 90)
         stage("metrics and cluster view back")
         if "tune" in parts:
             with tempfile.TemporaryDirectory() as out:
