@@ -226,10 +226,7 @@ def test_the_control_plane_is_health_checked_as_the_engines_are(tiny_model: str)
     args["trace"], args["api"] = {"enabled": True}, {"stored_responses": 10}
     args["engine"] = args.get("engine", {}) | {"lora": {"enabled": True}}
     ingress = build_app(args)._bound_deployment
-    singles = [arg for arg in ingress.init_args if hasattr(arg, "_bound_deployment")]
-    listed = [app for arg in ingress.init_args if isinstance(arg, list) for app in arg]
-    listed = [app for app in listed if hasattr(app, "_bound_deployment")]
-    bound = [app._bound_deployment for app in singles + listed]
+    bound = _bound_deployments(ingress)
     names = {d.name for d in bound}
     control = {"ClusterController", "EngineMetricsBoard", "LoRABoard", "ResponseStore"}
     assert control | {"TrafficTrace", "EngineServer"} == names, names
@@ -262,17 +259,18 @@ def test_building_the_app_leaves_cloudpickle_registry_alone(tiny_model: str, mon
     assert cloudpickle.loads(router._serialized_request_router_cls) is LoadAwareRouter
 
 
+def _bound_deployments(ingress) -> list:
+    """Every deployment a built app's ingress is bound to (its arguments hold each model's
+    deployments in lists, the app-wide ones alone)."""
+    apps = []
+    for arg in ingress.init_args:
+        apps += arg if isinstance(arg, list) else [arg]
+    return [app._bound_deployment for app in apps if hasattr(app, "_bound_deployment")]
+
+
 def _engine_deployments(ingress) -> list:
-    """The engine deployments a built app's ingress is bound to (its arguments hold each
-    model's deployments in lists)."""
-    bound = [
-        app._bound_deployment
-        for arg in ingress.init_args
-        if isinstance(arg, list)
-        for app in arg
-        if hasattr(app, "_bound_deployment")
-    ]
-    return [d for d in bound if d.name.startswith("EngineServer")]
+    """The engine deployments a built app's ingress is bound to."""
+    return [d for d in _bound_deployments(ingress) if d.name.startswith("EngineServer")]
 
 
 def test_disaggregation_adds_a_prefill_pool_per_model(tiny_model: str):
