@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import AppArgs
 from serve_app.ingress import ops_routes
 from serve_app.ingress.edge_routes import EdgeState, install_edge
+from serve_app.ingress.generation_routes import GenerationRoutes
 from serve_app.ingress.lora_routes import router as lora_router
 from serve_app.ingress.ops_routes import OpsState
 from serve_app.ingress.served_models import ServedModel, ServedModels
@@ -35,6 +36,7 @@ from serve_app.openai.responses.routes import router as responses_router
 
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
+app.add_middleware(GenerationRoutes)  # inside the edge's checks (the later one is outer)
 install_edge(app)
 for router in (responses_router, embeddings_router, lora_router, settings_router):
     app.include_router(router)

@@ -163,3 +163,39 @@ def test_oversized_bodies_and_unknown_routes_get_openais_error_body(serve_cluste
     resp = httpx.get(f"{serve_cluster.v1()}/completions")  # wrong method
     assert resp.status_code == 405
     _error(resp)
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=utf-8", "Application/JSON", "application/x+json"]
+)
+def test_a_json_body_of_any_json_media_type_is_served(serve_cluster, content_type):
+    """Bodies FastAPI would parse as JSON, the generation routes parse so too
+    (serve_app/ingress/generation_routes.py), streamed or whole."""
+    url = f"{serve_cluster.v1()}/completions"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    headers = {"content-type": content_type}
+    resp = httpx.post(url, content=json.dumps(body).encode(), headers=headers)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
+    streamed = json.dumps(body | {"stream": True}).encode()
+    with httpx.stream("POST", url, content=streamed, headers=headers) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert resp.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b'{"model": "tiny", "prompt": "hi"}', "text/plain"),  # not declared JSON
+        (b'{"model": "tiny", "prompt": "hi"}', None),
+        (b"", "application/json"),  # no body at all
+    ],
+    ids=["text-plain", "no-content-type", "empty"],
+)
+def test_a_body_not_sent_as_json_gets_openais_error_body(serve_cluster, content, content_type):
+    url = f"{serve_cluster.v1()}/chat/completions"
+    headers = {"content-type": content_type} if content_type else {}
+    resp = httpx.post(url, content=content, headers=headers)
+    assert 400 <= resp.status_code < 500, resp.text
+    _error(resp)
