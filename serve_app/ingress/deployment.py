@@ -133,6 +133,8 @@ class OpenAIIngress:
     async def cluster_trace(self, since: str | None = None, until: str | None = None) -> Response:
         return await ops_routes.trace(self.ops, since, until)
 
+    # A JSON body never reaches these two: GenerationRoutes answers it before the router (the
+    # same service); they take other content types and describe the routes in /openapi.json.
     @app.post("/v1/completions")
     async def completions(self, body: oai.CompletionRequest) -> Response:
         served = await self.models.pick(body.model)
