@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import AppArgs
 from serve_app.ingress import ops_routes
 from serve_app.ingress.edge_routes import EdgeState, install_edge
+from serve_app.ingress.generation_routes import GenerationRoutes
 from serve_app.ingress.lora_routes import router as lora_router
 from serve_app.ingress.ops_routes import OpsState
 from serve_app.ingress.served_models import ServedModel, ServedModels
@@ -35,6 +36,7 @@ from serve_app.openai.responses.routes import router as responses_router
 
 app = FastAPI(title="dynabatch", description="OpenAI-compatible LLM serving")
 install_error_handlers(app)
+app.add_middleware(GenerationRoutes)  # inside the edge's checks (the later one is outer)
 install_edge(app)
 for router in (responses_router, embeddings_router, lora_router, settings_router):
     app.include_router(router)
@@ -131,6 +133,8 @@ class OpenAIIngress:
     async def cluster_trace(self, since: str | None = None, until: str | None = None) -> Response:
         return await ops_routes.trace(self.ops, since, until)
 
+    # A JSON body never reaches these two: GenerationRoutes answers it before the router (the
+    # same service); they take other content types and describe the routes in /openapi.json.
     @app.post("/v1/completions")
     async def completions(self, body: oai.CompletionRequest) -> Response:
         served = await self.models.pick(body.model)

@@ -152,11 +152,11 @@ class EdgeChecks:
                     what = f"request body of over {limit} bytes (chunked)"
                     return await _too_large(what, limit)(scope, receive, send)
                 more = message.get("more_body", False)
-            receive = _replayed(b"".join(chunks), receive)
+            receive = replayed(b"".join(chunks), receive)
         return await self.app(scope, receive, send)
 
 
-def _replayed(body: bytes, receive: Receive) -> Receive:
+def replayed(body: bytes, receive: Receive) -> Receive:
     """`receive` whose first message is the whole `body`, read already."""
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 

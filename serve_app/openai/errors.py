@@ -59,8 +59,10 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
     return exc.response()
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+def validation_error_response(errors: list[dict]) -> JSONResponse:
+    """A 400 for a body that failed to parse or validate (pydantic's error list, FastAPI's
+    `body` prefix on each location or not), naming the first error's field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", first.get("msg"))
         message = f"the request body is not valid JSON ({reason})"
@@ -72,6 +74,10 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     if first.get("type") == "extra_forbidden":
         message = f"{param}: unknown or unsupported field"
     return JSONResponse(oai.error_body(message, param=param), status_code=400)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error_response(list(exc.errors()))
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

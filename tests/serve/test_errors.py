@@ -182,7 +182,8 @@ def test_oversized_bodies_and_unknown_routes_get_openais_error_body(serve_cluste
     "content_type", ["application/json; charset=utf-8", "Application/JSON", "application/x+json"]
 )
 def test_a_json_body_of_any_json_media_type_is_served(serve_cluster, content_type):
-    """Every body FastAPI parses as JSON is served, streamed or whole."""
+    """Bodies FastAPI would parse as JSON, the generation routes parse so too
+    (serve_app/ingress/generation_routes.py), streamed or whole."""
     url = f"{serve_cluster.v1()}/completions"
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
     headers = {"content-type": content_type}
