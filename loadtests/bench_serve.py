@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="AppArgs.delta_channels false: each request streams its deltas on its own call",
     )
     parser.add_argument(
+        "--deltas-on-ray",
+        action="store_true",
+        help="AppArgs.delta_links false: the channels' batches as Ray messages, not on a "
+        "TCP connection",
+    )
+    parser.add_argument(
         "--via-proxy",
         action="store_true",
         help="go through Serve's HTTP proxy instead of straight to the ingress replica",
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_queued_requests": opts.concurrency,
             "stream_interval_s": opts.stream_interval,
             "delta_channels": not opts.per_request_streams,
+            "delta_links": not opts.deltas_on_ray,
             "engine": {
                 "kv_cache_bytes": int(opts.kv_cache_gb * 2**30),
                 "max_num_seqs": opts.concurrency,

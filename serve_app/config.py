@@ -204,6 +204,14 @@ class AppArgs(_Strict):
         "on one stream, one message per engine step for all of them (false: one message per "
         "request per step on the request's own handle call).",
     )
+    delta_links: bool = Field(
+        True,
+        description="With delta_channels, an engine replica writes each step's batch to a TCP "
+        "connection its ingress replica opened (to a free port of the engine's node) instead of "
+        "a Ray message, which costs the ingress several times the CPU; a channel whose "
+        "connection cannot be made stays on Ray, and one that breaks (or is cut off for 5 s) "
+        "resumes its requests elsewhere, as when a replica dies.",
+    )
     kv_transport: Literal["auto", "link", "object_store"] = Field(
         "auto",
         description="How a sequence's KV moves between engine replicas (a prefill replica's "

@@ -77,7 +77,9 @@ class ServedModel:
         channels: DeltaChannels | None = None
         if args.delta_channels:
             channel_id = channel_name(owner, uuid.uuid4().hex[:8])
-            channels = DeltaChannels(engine, channel_id, args.api.max_unsent_tokens)
+            channels = DeltaChannels(
+                engine, channel_id, args.api.max_unsent_tokens, links=args.delta_links
+            )
         model_metrics = metrics.model(name)
         client = EngineClient(
             engine,

@@ -117,15 +117,18 @@ _PATH_COUNTERS = (
     ("channel_messages", "Delta channel messages taken.", "num_messages", True),
     ("channel_deltas", "Request deltas those messages held.", "num_deltas", True),
     ("response_wakeups", "Wake-ups of streamed responses for deltas.", "num_wakeups", True),
+    ("delta_links_lost", "Delta links that broke with requests open (those resumed).",
+     "num_links_lost", True),
 )  # fmt: skip
 
 
 class _PathCollector:
     """What the streaming path costs: engine calls sent to a replica's actor directly and
-    through Serve's handle; per engine step, the Ray messages the ingress took (at most one per
-    engine step per engine replica), the deltas in them, and the wake-ups of the responses that
-    read them (at most one per response per step: never one per token). Summed over the
-    models' engine clients."""
+    through Serve's handle; per engine step, the channel messages the ingress took (a Ray
+    message or a delta link's frame: at most one per engine step per engine replica), the
+    deltas in them, and the wake-ups of the responses that read them (at most one per
+    response per step: never one per token); delta links that broke. Summed over the models'
+    engine clients."""
 
     def __init__(self) -> None:
         self.clients: list[EngineClient] = []

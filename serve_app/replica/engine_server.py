@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -33,6 +34,7 @@ from serve_app.observability import replica_logs, tracing
 from serve_app.replica.health import health_problem
 from serve_app.replica.sequence_moves import MOVED_HOLD_S, SequenceMoves, moved_delta
 from serve_app.transport.delta_channel import ChannelledFirst, Outboxes, channel_name
+from serve_app.transport.delta_link import LinkListener
 from serve_app.transport.engine_rejection import EngineRejection
 from serve_app.transport.moved_sequence import MovedOut
 
@@ -86,6 +88,7 @@ class EngineServer:
         self.tracer = tracing.make_tracer(self.args.tracing, "engine")
         self.decision = ControlDecision(start)
         self.outboxes = Outboxes()
+        self.links = LinkListener(ray.util.get_node_ip_address(), self.outboxes.lost)
         self.num_reports_ok = 0
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
@@ -94,6 +97,8 @@ class EngineServer:
         self.num_handed_on = 0  # sequences a prefill replica moved on after their first token
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.outboxes.watch_owners())]
+        if self.args.delta_channels and self.args.delta_links:
+            self._tasks.append(loop.create_task(self.links.start()))
         if self.args.health.move_on_stop and self.moves.drain.readable:
             self._tasks.append(loop.create_task(self.moves.move_on_stop()))
         if controller is not None:
@@ -173,7 +178,10 @@ class EngineServer:
             watched = channel or (channel_name(caller, "calls") if caller else None)
             outbox = self.outboxes.open(watched) if watched is not None else None
             try:
-                yield first if channel is None else ChannelledFirst(first, self.replica_id)
+                if channel is None:
+                    yield first
+                else:
+                    yield ChannelledFirst(first, self.replica_id, self.links.address)
                 if self.prefill_only and not first.finished:
                     # Its prompt is computed: it decodes at a decode replica, with the KV.
                     self.num_handed_on += await self.engine.move_out([request_id])
@@ -181,7 +189,9 @@ class EngineServer:
                 try:
                     async for out in stream:
                         if outbox is not None and outbox.owner_gone:
-                            break  # nobody will read it: the request is aborted below
+                            if channel is not None:  # its delta link broke: it resumes
+                                yield EngineRejection("channel_lost", "its delta link broke")
+                            break  # nobody will read it here: the request is aborted below
                         held = out if held is None else held.merge(out)
                         final = out
                         now = time.monotonic()
@@ -222,14 +232,18 @@ class EngineServer:
                 )
                 tracing.record_engine_life(span, final, reason, started)
 
-    async def subscribe(self, channel: str, replica_id: str | None = None) -> AsyncIterator[bytes]:
+    async def subscribe(
+        self, channel: str, replica_id: str | None = None, link: bool = False
+    ) -> AsyncIterator[bytes]:
         """The deltas of `channel`'s requests at this replica, one `packed` batch per engine step;
-        ends once the channel has been idle a while (serve_app.transport.delta_channel).
-        `replica_id` is read by the ingress's request router, which sends the call to that
-        replica."""
+        ends once the channel has been idle a while (serve_app.transport.delta_channel). With
+        `link`, the batches go on the channel's delta link (where it has one) and this call
+        only lasts as long. `replica_id` is read by the ingress's request router, which sends
+        the call to that replica."""
         if replica_id is not None and replica_id != self.replica_id:
             return  # routed here by mistake: the ingress subscribes again
-        async for batch in self.outboxes.subscribe(channel):
+        sink = self.links.sinks.get(channel) if link else None
+        async for batch in self.outboxes.subscribe(channel, sink):
             yield batch
 
     async def stats(self, replica_id: str | None = None) -> dict[str, Any]:
@@ -251,6 +265,7 @@ class EngineServer:
             num_reports_ok=self.num_reports_ok,
             num_report_failures=self.num_report_failures,
             loras=self._held_loras(),
+            delta_link_address=self.links.address,
             **self.moves.stats(),
             **self.outboxes.stats(),
         )
@@ -354,4 +369,5 @@ class EngineServer:
         for task in self._tasks:
             task.cancel()
         self.moves.link.close()
+        self.links.close()
         await self.engine.shutdown()

@@ -10,9 +10,11 @@ as before), but after its first delta it only waits for the request to end.
 Engine side: `Outbox`, one per ingress replica's channel id, filled by that ingress's requests
 and drained by its subscription (`EngineServer.subscribe`). Ingress side: `DeltaChannels`
 keeps one subscription task per engine replica it has requests at, and hands each delta to
-its request's queue. A step's deltas cross Ray as bytes (`packed`: one pickle of a row of
+its request's queue. A step's deltas cross as bytes (`packed`: one pickle of a row of
 field values per delta): Ray serializes a list of objects many times slower than pickle does
-rows, and passes bytes as they are.
+rows, and passes bytes as they are. Where the engine replica offers a delta link
+(serve_app.transport.delta_link), those bytes go on a TCP connection instead, and the
+subscription only starts and ends the draining.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from operator import attrgetter
 from ray.serve.handle import DeploymentHandle
 
 from engine.core.outputs import RequestOutput
+from serve_app.transport import delta_link
+from serve_app.transport.delta_link import LinkSink
 from serve_app.transport.delta_queue import DeltaQueue
 
 logger = logging.getLogger(__name__)
@@ -85,6 +89,7 @@ class ChannelledFirst:
 
     output: RequestOutput
     replica_id: str
+    link: tuple[str, int] | None = None  # where the replica's delta links connect
 
 
 class Outbox:
@@ -145,6 +150,7 @@ class Outboxes:
         self._boxes: dict[str, Outbox] = {}
         self._batches_dropped = 0  # of outboxes already dropped
         self._deltas_dropped = 0
+        self._link_batches = 0  # of all the batches, those sent on delta links
 
     def open(self, channel: str) -> Outbox:
         """A request of `channel` starts: its deltas go to the returned outbox."""
@@ -160,17 +166,33 @@ class Outboxes:
         if outbox.unused:
             self._drop(channel, outbox)
 
-    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
-        """`channel`'s deltas, one `packed` batch per engine step, until idle a while."""
+    async def subscribe(self, channel: str, sink: LinkSink | None = None) -> AsyncIterator[bytes]:
+        """`channel`'s deltas, one `packed` batch per engine step, until idle a while: on
+        `sink` (its delta link) when given, else yielded."""
         outbox = self._boxes.setdefault(channel, Outbox())
         outbox.num_subscribers += 1
         try:
             while (batch := await outbox.take()) is not None:
-                yield packed(batch)
+                if sink is None:
+                    yield packed(batch)
+                    continue
+                try:
+                    await sink.send(packed(batch))
+                except ConnectionError:  # the link's end (LinkListener) ends its requests
+                    return
+                self._link_batches += 1
         finally:
             outbox.num_subscribers -= 1
             if outbox.unused:
                 self._drop(channel, outbox)
+
+    def lost(self, channel: str) -> None:
+        """`channel`'s delta link broke: its open requests end (their deltas may be lost on
+        the way, and the ingress resumes them elsewhere); later ones get a new outbox."""
+        outbox = self._boxes.get(channel)
+        if outbox is not None:
+            outbox.owner_gone = outbox.num_open > 0
+            self._drop(channel, outbox)
 
     async def watch_owners(self, period_s: float = OWNER_CHECK_S) -> None:
         """Mark the outboxes of ingress replicas that died (checked every period_s)."""
@@ -199,6 +221,7 @@ class Outboxes:
             "num_channels": len(self._boxes),
             "channel_batches_total": self._batches_dropped + sum(o.num_batches for o in boxes),
             "channel_deltas_total": self._deltas_dropped + sum(o.num_deltas for o in boxes),
+            "channel_link_batches_total": self._link_batches,
         }
 
 
@@ -207,15 +230,25 @@ class DeltaChannels:
     per engine replica that has open requests of this ingress."""
 
     def __init__(
-        self, engine: DeploymentHandle, channel_id: str, max_unsent_tokens: int | None = None
+        self,
+        engine: DeploymentHandle,
+        channel_id: str,
+        max_unsent_tokens: int | None = None,
+        links: bool = True,
     ) -> None:
+        """`links`: read each engine replica's batches on a delta link where it offers one
+        (serve_app.transport.delta_link), else every batch through the subscription."""
         self.channel_id = channel_id
         self.max_unsent_tokens = max_unsent_tokens  # per request; None: no bound
+        self.use_links = links
         self._subscribe = engine.options(stream=True).subscribe
         self._queues: dict[str, DeltaQueue] = {}
         self._replica_of: dict[str, str] = {}
         self._open_at: Counter[str] = Counter()  # replica id -> open requests
         self._tasks: dict[str, asyncio.Task] = {}  # replica id -> its subscription
+        self._link_at: dict[str, tuple[str, int]] = {}  # replica id -> its links' address
+        self._links: dict[str, delta_link.LinkReader] = {}  # replica id -> the open link
+        self.num_links_lost = 0  # with requests open on them
         # What the path costs per engine step (/metrics): messages taken, deltas they held,
         # and wake-ups of the responses reading them (RequestStream counts its own).
         self.num_messages = 0
@@ -228,10 +261,13 @@ class DeltaChannels:
         self._queues[request_id] = queue
         return queue
 
-    def attach(self, request_id: str, replica_id: str) -> None:
-        """The request runs at replica_id: make sure this ingress listens to its channel there."""
+    def attach(self, request_id: str, replica_id: str, link: tuple[str, int] | None = None) -> None:
+        """The request runs at replica_id (whose delta links connect to `link`): make sure
+        this ingress listens to its channel there."""
         if request_id not in self._queues:
             return  # closed already
+        if link is not None and self.use_links:
+            self._link_at[replica_id] = link
         self._replica_of[request_id] = replica_id
         self._open_at[replica_id] += 1
         if replica_id not in self._tasks:
@@ -258,6 +294,50 @@ class DeltaChannels:
             if self._open_at[replica_id] <= 0:
                 del self._open_at[replica_id]
 
+    def _deliver(self, data: bytes) -> None:
+        """One batch (from the subscription or the link) to its requests' queues."""
+        batch = unpacked(data)
+        self.num_messages += 1
+        self.num_deltas += len(batch)
+        for out in batch:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    async def _link(self, replica_id: str) -> delta_link.LinkReader | None:
+        """The open link to replica_id, connected first where it offers one; None: read
+        through the subscription."""
+        link = self._links.get(replica_id)
+        address = self._link_at.get(replica_id)
+        if link is None and address is not None:
+
+            def lost(exc: Exception | None) -> None:
+                self._link_lost(replica_id, link, exc)
+
+            link = await delta_link.connect(address, self.channel_id, self._deliver, lost)
+            if link is None:
+                del self._link_at[replica_id]  # not again: its subscription brings the batches
+            else:
+                self._links[replica_id] = link
+        return link
+
+    def _link_lost(
+        self, replica_id: str, link: delta_link.LinkReader | None, exc: Exception | None
+    ) -> None:
+        """Deltas may have been lost with it: the requests open at replica_id fail as when a
+        replica dies (they resume elsewhere) and the replica aborts its end of them."""
+        if link is not None and self._links.get(replica_id) is link:
+            del self._links[replica_id]
+        failed = [r for r, at in self._replica_of.items() if at == replica_id]
+        if failed:
+            self.num_links_lost += 1
+            logger.warning(
+                "delta link to %s broke (%r): %d requests resume", replica_id, exc, len(failed)
+            )
+        error = delta_link.DeltaLinkLost(f"the delta link to engine replica {replica_id} broke")
+        for request_id in failed:
+            self.fail(request_id, error)
+
     async def _listen(self, replica_id: str) -> None:
         """Subscribe to replica_id's outbox for this channel while requests are open there
         (the replica ends a subscription that stays idle; if requests came meanwhile, subscribe
@@ -265,18 +345,18 @@ class DeltaChannels:
         stream = None
         try:
             while self._open_at[replica_id] > 0:
-                stream = self._subscribe.remote(self.channel_id, replica_id=replica_id)
+                link = await self._link(replica_id)
+                frames = link.num_frames if link is not None else 0
+                # (Asked only of replicas that offer links: those of an older version take
+                # no such argument.)
+                linked = {"link": True} if link is not None else {}
+                stream = self._subscribe.remote(self.channel_id, replica_id=replica_id, **linked)
                 delivered = False
                 async for data in stream:
                     delivered = True
-                    batch = unpacked(data)
-                    self.num_messages += 1
-                    self.num_deltas += len(batch)
-                    for out in batch:
-                        queue = self._queues.get(out.request_id)
-                        if queue is not None:
-                            queue.put_nowait(out)
+                    self._deliver(data)
                 stream = None
+                delivered |= link is not None and link.num_frames > frames
                 if not delivered:  # it reached another replica: try again shortly
                     await asyncio.sleep(_RETRY_S)
         except BaseException as exc:  # the replica died or is unreachable, or this ingress stops

@@ -32,6 +32,7 @@ from engine.core.sampling_params import SamplingParams
 from serve_app.openai.completion_bodies import Choice
 from serve_app.openai.errors import OpenAIError
 from serve_app.transport.delta_channel import ChannelledFirst, DeltaChannels
+from serve_app.transport.delta_link import DeltaLinkLost
 from serve_app.transport.direct_calls import DirectCalls
 from serve_app.transport.engine_rejection import EngineRejection
 from serve_app.transport.moved_sequence import SequenceLeft
@@ -45,7 +46,8 @@ _PINNED_TRIES = 4
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.05, 1.0
 # How a lost replica shows (its process, worker or node died); any other exception is a
 # failure of the request itself, answered as an error rather than sent again.
-_REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError)
+# (A broken delta link is one too: its deltas may be lost, and the replica ends its requests.)
+_REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, DeltaLinkLost)
 # Resumes of one sequence, at most: a request that keeps losing replicas stops somewhere.
 _MAX_RESUMES = 4
 
@@ -298,7 +300,7 @@ class EngineClient:
                 raise OpenAIError.server_error(503, first.message)
             raise OpenAIError(400, first.message, param=first.param)
         if isinstance(first, ChannelledFirst):
-            stream.attach(first.replica_id)
+            stream.attach(first.replica_id, first.link)
             return first.output, first.replica_id
         stream.on_call()  # an engine replica without channels streams on the call itself
         return first, None

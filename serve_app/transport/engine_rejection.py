@@ -10,6 +10,7 @@ from typing import Literal
 class EngineRejection:
     """Why an engine replica did not take a request; the ingress maps it to an HTTP status."""
 
-    kind: Literal["overloaded", "invalid_request", "elsewhere", "stopping"]
+    # (channel_lost: after the first delta, on the call of a request whose delta link broke)
+    kind: Literal["overloaded", "invalid_request", "elsewhere", "stopping", "channel_lost"]
     message: str
     param: str | None = None

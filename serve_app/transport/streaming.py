@@ -16,7 +16,9 @@ from engine.core.outputs import RequestOutput, merge_queued
 from serve_app.openai.logprobs_format import LogprobsFormatter
 from serve_app.openai.tool_calls import ToolPlan
 from serve_app.transport.delta_channel import DeltaChannels
+from serve_app.transport.delta_link import DeltaLinkLost
 from serve_app.transport.delta_queue import DeltaQueue
+from serve_app.transport.engine_rejection import EngineRejection
 from serve_app.transport.moved_sequence import MOVED, MovedOut, SequenceLeft
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,11 @@ class RequestStream:
     def channel_id(self) -> str | None:
         return self.channels.channel_id if self.channels is not None else None
 
-    def attach(self, replica_id: str) -> None:
-        """The engine replica streams the rest through its channel."""
+    def attach(self, replica_id: str, link: tuple[str, int] | None = None) -> None:
+        """The engine replica streams the rest through its channel (on a delta link to
+        `link`, where it offers one)."""
         assert self.channels is not None
-        self.channels.attach(self.request_id, replica_id)
+        self.channels.attach(self.request_id, replica_id, link)
 
     def on_call(self) -> None:
         """The engine replica streams the rest on the call itself (no channel there)."""
@@ -179,15 +182,20 @@ class RequestStream:
             self._moved.set_result(kv)
 
     async def _watch(self) -> None:
-        """Its replica died before the channel delivered the end, or the channel did not bring
-        the end it had (the replica queues a request's last delta before its call ends): fail
-        the request rather than leave its client waiting."""
+        """Its replica died before the channel delivered the end, its delta link broke (the
+        replica says so on the call: the request resumes), or the channel did not bring the
+        end it had (the replica queues a request's last delta before its call ends): fail the
+        request rather than leave its client waiting."""
         assert self.channels is not None and self.queue is not None
         try:
             async for item in self.call:
                 if isinstance(item, MovedOut):
                     self._settle_moved(item.kv)
                     return  # the call stays open, holding the KV, until it is cancelled
+                if isinstance(item, EngineRejection):  # its delta link broke there
+                    self._settle_moved(None)
+                    self.channels.fail(self.request_id, DeltaLinkLost(item.message))
+                    return
         except Exception as exc:
             self._settle_moved(None)
             self.channels.fail(self.request_id, exc)

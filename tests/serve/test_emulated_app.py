@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import subprocess
 
 import httpx
 import pytest
@@ -30,7 +33,7 @@ def _ingress_counts(cluster) -> dict[str, float]:
 
 def _engine_counts(cluster) -> dict[str, int]:
     stats = cluster.replica_stats(APP, 2).values()
-    keys = ("num_steps_total", "channel_deltas_total")
+    keys = ("num_steps_total", "channel_deltas_total", "channel_link_batches_total")
     return {key: sum(s[key] for s in stats) for key in keys}
 
 
@@ -86,7 +89,57 @@ def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_st
     assert ingress["engine_calls_direct"] + ingress["engine_calls_routed"] == STREAMS, ingress
     assert ingress["engine_calls_direct"] >= STREAMS * 3 // 4, ingress
     assert ingress["channel_messages"] <= engine["num_steps_total"], (ingress, engine)
+    # Those messages came on the delta links (TCP), not as Ray messages.
+    assert ingress["channel_messages"] == engine["channel_link_batches_total"], (ingress, engine)
     assert ingress["channel_deltas"] == engine["channel_deltas_total"], (ingress, engine)
     assert ingress["response_wakeups"] <= ingress["channel_deltas"], ingress
     # Steps of several tokens happened: fewer deltas (and wake-ups) than tokens.
     assert ingress["channel_deltas"] < tokens - STREAMS, (ingress, tokens)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ss") is None, reason="cutting sockets (ss -K) needs root"
+)
+def test_a_delta_link_cut_mid_stream_loses_no_token(emulated_app):
+    """Every delta link's sockets destroyed (`ss -K`, both ends) while 32 streams run: the
+    ingress resumes the requests open on them from the tokens their clients have, as when a
+    replica dies, so each stream still says the whole text once; the replicas abort their
+    end of those requests (every KV block comes back) and later requests link anew."""
+    tokenizer = AutoTokenizer.from_pretrained(emulated_app.model)
+    text = said_ids(tokenizer)
+    max_tokens = 4 * len(text)  # seconds of decoding at an emulated H100's pace
+    body = {"model": "tiny", "prompt": text * 2, "max_tokens": max_tokens, "stream": True}
+    ports = [s["delta_link_address"][1] for s in emulated_app.replica_stats(APP, 2).values()]
+    lost_before = _ingress_counts(emulated_app).get("delta_links_lost", 0)
+
+    async def one(http: httpx.AsyncClient, started: asyncio.Event) -> str:
+        said = []
+        async with http.stream("POST", f"{emulated_app.v1(APP)}/completions", json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    said += [c["text"] for c in json.loads(line[len("data: ") :])["choices"]]
+                    started.set()
+        return "".join(said)
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as h:
+            started = [asyncio.Event() for _ in range(32)]
+            streams = asyncio.gather(*(one(h, e) for e in started))
+            await asyncio.gather(*(e.wait() for e in started))
+            for port in ports:
+                cut = f"( sport = :{port} or dport = :{port} )"
+                subprocess.run(["ss", "-K", cut], check=True, capture_output=True)
+            return await streams
+
+    said = asyncio.run(run())
+    expected = tokenizer.decode((text * 5)[:max_tokens])
+    assert all(s == expected for s in said), [len(s) for s in said]
+    assert _ingress_counts(emulated_app)["delta_links_lost"] > lost_before
+    stats = emulated_app.replica_stats(APP, 2).values()
+    assert all(s["num_used_blocks"] == 0 and s["num_streams"] == 0 for s in stats), stats
+    # The next requests link again: they stream on links, not on Ray.
+    before = _engine_counts(emulated_app)["channel_link_batches_total"]
+    assert asyncio.run(_streams(emulated_app.v1(APP), text * 2))
+    assert _engine_counts(emulated_app)["channel_link_batches_total"] > before

@@ -294,6 +294,11 @@ def test_64_concurrent_streams_complete_correctly(serve_cluster, reference_engin
         stats[r]["channel_batches_total"] - before[r]["channel_batches_total"] for r in stats
     )
     steps = sum(stats[r]["num_steps_total"] - before[r]["num_steps_total"] for r in stats)
+    on_links = sum(
+        stats[r]["channel_link_batches_total"] - before[r]["channel_link_batches_total"]
+        for r in stats
+    )
+    assert on_links == batches, (on_links, batches)  # every one on a delta link, none on Ray
     # At most one message per engine step (one ingress replica here), and many deltas to a
     # message on the whole (how many depends on how fast requests arrive against how fast
     # the engine steps: 3.8 measured with the whole suite loading the machine, 4+ idle).

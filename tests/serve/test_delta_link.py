@@ -1,0 +1,112 @@
+"""Delta links (serve_app/transport/delta_link.py) over real loopback sockets: an outbox's
+batches reach the ingress's end in order, and a link's end, from either side, ends the
+channel's open requests at the engine replica and tells the ingress."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.core.outputs import RequestOutput
+from serve_app.transport import delta_link
+from serve_app.transport.delta_channel import Outboxes, unpacked
+
+
+def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id, [token], str(token), finished, None, 3, 1)
+
+
+class _Ingress:
+    """What an ingress's end collects: the batches' deltas, and how the link ended."""
+
+    def __init__(self) -> None:
+        self.deltas: list[tuple[str, int]] = []
+        self.ended: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+    def batch(self, data: bytes) -> None:
+        self.deltas += [(d.request_id, d.new_token_ids[0]) for d in unpacked(data)]
+
+    def lost(self, exc: Exception | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(exc)
+
+
+async def _linked(channel: str):
+    lost: list[str] = []
+    outboxes = Outboxes()
+    listener = delta_link.LinkListener("127.0.0.1", lambda c: (lost.append(c), outboxes.lost(c)))
+    await listener.start()
+    assert listener.address is not None
+    ingress = _Ingress()
+    reader = await delta_link.connect(listener.address, channel, ingress.batch, ingress.lost)
+    assert reader is not None and channel in listener.sinks
+    return outboxes, listener, ingress, reader, lost
+
+
+def test_batches_reach_the_ingress_in_order_and_the_subscription_yields_none():
+    async def run() -> None:
+        outboxes, listener, ingress, reader, _ = await _linked("ingress-1/abc")
+        outbox = outboxes.open("ingress-1/abc")
+        yielded = []
+
+        async def subscription() -> None:
+            sink = listener.sinks["ingress-1/abc"]
+            async for data in outboxes.subscribe("ingress-1/abc", sink):
+                yielded.append(data)
+
+        task = asyncio.create_task(subscription())
+        for step in range(50):
+            outbox.put(_delta("a", step))
+            outbox.put(_delta("b", step, finished=step == 49))
+            await asyncio.sleep(0.001)
+        outboxes.close("ingress-1/abc", outbox)
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(ingress.deltas) < 100 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert [t for r, t in ingress.deltas if r == "a"] == list(range(50))
+        assert [t for r, t in ingress.deltas if r == "b"] == list(range(50))
+        assert reader.num_frames == outbox.num_batches >= 1 and not yielded
+        task.cancel()
+        reader.close()
+        listener.close()
+
+    asyncio.run(run())
+
+
+def test_the_ingress_leaving_ends_the_channels_open_requests():
+    async def run() -> None:
+        outboxes, listener, ingress, reader, lost = await _linked("ingress-1/abc")
+        outbox = outboxes.open("ingress-1/abc")
+        reader.close()  # as when the ingress replica dies
+        deadline = asyncio.get_running_loop().time() + 5
+        while not lost and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert lost == ["ingress-1/abc"] and outbox.owner_gone
+        assert "ingress-1/abc" not in listener.sinks
+        # Requests that come later get an outbox of their own, not the ended one.
+        assert outboxes.open("ingress-1/abc") is not outbox
+        listener.close()
+
+    asyncio.run(run())
+
+
+def test_the_engine_replica_closing_its_end_is_the_ingresss_link_lost():
+    async def run() -> None:
+        outboxes, listener, ingress, reader, _ = await _linked("ingress-1/abc")
+        listener.close()  # as when the engine replica stops
+        # A clean close: no exception, still the end of every delta it would have brought.
+        assert await asyncio.wait_for(ingress.ended, 5) is None
+
+    asyncio.run(run())
+
+
+def test_no_listener_means_no_link():
+    async def run() -> None:
+        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()
+        ingress = _Ingress()
+        link = await delta_link.connect(("127.0.0.1", port), "c", ingress.batch, ingress.lost)
+        assert link is None and not ingress.ended.done()
+
+    asyncio.run(run())
