@@ -103,15 +103,22 @@ class LinkListener:
             channel = channel.strip()
             if not channel:
                 return
+            if (replaced := self.sinks.pop(channel, None)) is not None:
+                # Its ingress connects again only once it lost that link (and failed the
+                # requests on it): they end here too, rather than run for nobody.
+                replaced.broken = True
+                replaced.writer.close()
+                self.on_lost(channel)
             sink = self.sinks[channel] = LinkSink(writer)
             writer.write(frame(b""))  # it may subscribe now
             await writer.drain()
-            await reader.read()  # the ingress sends nothing more: this is its end
+            while await reader.read(1 << 12):  # it sends nothing more: this waits for its end
+                pass
         except (OSError, TimeoutError, UnicodeDecodeError):
             pass
         finally:
             writer.close()
-            if channel and self.sinks.get(channel) is sink:
+            if sink is not None and self.sinks.get(channel) is sink:
                 sink.broken = True
                 del self.sinks[channel]
                 self.on_lost(channel)

@@ -89,6 +89,26 @@ def test_the_ingress_leaving_ends_the_channels_open_requests():
     asyncio.run(run())
 
 
+def test_a_second_link_for_a_channel_ends_the_requests_of_the_first():
+    """The ingress connects again only after it lost its link: what ran on the old one ends
+    (the old connection may look alive here still, as a half-open one does)."""
+
+    async def run() -> None:
+        outboxes, listener, ingress, first, lost = await _linked("ingress-1/abc")
+        outbox = outboxes.open("ingress-1/abc")
+        again = await delta_link.connect(
+            listener.address, "ingress-1/abc", ingress.batch, lambda _: None
+        )
+        assert again is not None and lost == ["ingress-1/abc"] and outbox.owner_gone
+        assert outboxes.open("ingress-1/abc") is not outbox
+        # The old connection closed from the replica's end: the ingress's old reader ends.
+        assert await asyncio.wait_for(ingress.ended, 5) is None
+        again.close()
+        listener.close()
+
+    asyncio.run(run())
+
+
 def test_the_engine_replica_closing_its_end_is_the_ingresss_link_lost():
     async def run() -> None:
         outboxes, listener, ingress, reader, _ = await _linked("ingress-1/abc")
