@@ -75,6 +75,10 @@ class LinkSink:
         self.writer.write(frame(data))
         await self.writer.drain()
 
+    def close(self) -> None:
+        self.broken = True
+        self.writer.close()
+
 
 class LinkListener:
     """The port an engine replica's delta links connect to. `on_lost(channel)` runs when a
@@ -106,8 +110,7 @@ class LinkListener:
             if (replaced := self.sinks.pop(channel, None)) is not None:
                 # Its ingress connects again only once it lost that link (and failed the
                 # requests on it): they end here too, rather than run for nobody.
-                replaced.broken = True
-                replaced.writer.close()
+                replaced.close()
                 self.on_lost(channel)
             sink = self.sinks[channel] = LinkSink(writer)
             writer.write(frame(b""))  # it may subscribe now
@@ -119,7 +122,7 @@ class LinkListener:
         finally:
             writer.close()
             if sink is not None and self.sinks.get(channel) is sink:
-                sink.broken = True
+                sink.close()
                 del self.sinks[channel]
                 self.on_lost(channel)
 
@@ -127,7 +130,7 @@ class LinkListener:
         if self._server is not None:
             self._server.close()
         for sink in self.sinks.values():
-            sink.writer.close()
+            sink.close()
 
 
 # ------------------------------------------------------------------ ingress replica's end
