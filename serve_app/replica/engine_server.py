@@ -33,7 +33,12 @@ from serve_app.config import AppArgs
 from serve_app.observability import replica_logs, tracing
 from serve_app.replica.health import health_problem
 from serve_app.replica.sequence_moves import MOVED_HOLD_S, SequenceMoves, moved_delta
-from serve_app.transport.delta_channel import ChannelledFirst, Outboxes, channel_name
+from serve_app.transport.delta_channel import (
+    ChannelledFirst,
+    FirstDelta,
+    Outboxes,
+    channel_name,
+)
 from serve_app.transport.delta_link import LinkListener
 from serve_app.transport.engine_rejection import EngineRejection
 from serve_app.transport.moved_sequence import MovedOut
@@ -95,6 +100,7 @@ class EngineServer:
         self.moves = SequenceMoves(self.engine, self.replica_id, self.args.kv_transport)
         self.prefill_only = prefill_only
         self.num_handed_on = 0  # sequences a prefill replica moved on after their first token
+        self.num_firsts_on_links = 0  # first deltas sent on a delta link, not on their call
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.outboxes.watch_owners())]
         if self.args.delta_channels and self.args.delta_links:
@@ -120,13 +126,15 @@ class EngineServer:
         lora: tuple[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
-        deltas then go through that channel's subscription), then one delta per engine step
-        (coalesced by stream_interval_s), or one EngineRejection. `replica_id` is read by the
-        ingress's request router, which sends the call to that replica (a request's further
-        sequences, to the replica holding its prompt's KV blocks). `resume`: the request goes on
-        from where it stopped at a replica that died. `caller`: the ingress replica's actor name
-        when there is no channel (the request ends if that actor dies). `lora`: the LoRA
-        adapter (name, directory) the request runs with, loaded here at first use."""
+        deltas then go through that channel's subscription; while that is on a delta link
+        whose ingress reads first deltas too, the first goes there, ahead of this item), then
+        one delta per engine step (coalesced by stream_interval_s), or one EngineRejection.
+        `replica_id` is read by the ingress's request router, which sends the call to that
+        replica (a request's further sequences, to the replica holding its prompt's KV
+        blocks). `resume`: the request goes on from where it stopped at a replica that died.
+        `caller`: the ingress replica's actor name when there is no channel (the request ends
+        if that actor dies). `lora`: the LoRA adapter (name, directory) the request runs with,
+        loaded here at first use."""
         if replica_id is not None and replica_id != self.replica_id:
             # Serve's router may hand a choice made for another request to this one.
             yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
@@ -180,6 +188,10 @@ class EngineServer:
             try:
                 if channel is None:
                     yield first
+                elif outbox.takes_firsts:  # on the link, ahead of the call's item
+                    outbox.put(FirstDelta(first))
+                    self.num_firsts_on_links += 1
+                    yield ChannelledFirst(None, self.replica_id, self.links.address)
                 else:
                     yield ChannelledFirst(first, self.replica_id, self.links.address)
                 if self.prefill_only and not first.finished:
@@ -266,6 +278,7 @@ class EngineServer:
             num_report_failures=self.num_report_failures,
             loras=self._held_loras(),
             delta_link_address=self.links.address,
+            first_deltas_on_links_total=self.num_firsts_on_links,
             **self.moves.stats(),
             **self.outboxes.stats(),
         )

@@ -8,12 +8,13 @@ stays a Ray call: it starts and ends the engine replica's draining of the outbox
 is the replica's, and Serve routes it; only the batches move to the link.
 
 The ingress replica connects to the port the engine replica listens on (its node's address,
-in each request's ChannelledFirst), says which channel it reads, and gets an empty frame back
-once the replica has it; each frame after that is one `packed` batch, 4 bytes of length
-first. A link that breaks, or whose peer stops answering (keepalive probes, and unacknowledged
-data, time out after LINK_DEAD_AFTER_S), ends the open requests of its channel at both ends:
-the engine replica aborts them (their blocks come back) and the ingress resumes them from the
-tokens their clients have, as when a replica dies. An ingress that cannot connect reads the
+in each request's ChannelledFirst), says which channel it reads (and that it takes a
+request's first delta on the link too: FIRSTS), and gets an empty frame back once the replica
+has it; each frame after that is one `packed` batch, 4 bytes of length first. A link that
+breaks, or whose peer stops answering (keepalive probes, and unacknowledged data, time out
+after LINK_DEAD_AFTER_S), ends the open requests of its channel at both ends: the engine
+replica aborts them (their blocks come back) and the ingress resumes them from the tokens
+their clients have, as when a replica dies. An ingress that cannot connect reads the
 batches from the subscription as before.
 """
 
@@ -33,6 +34,10 @@ LINK_DEAD_AFTER_S = 5
 # channel through Ray instead.
 CONNECT_TIMEOUT_S = 2.0
 _HEADER = 4  # bytes of a frame's length
+# Said after the channel's id (a tab between) by an ingress that reads a request's first
+# delta from the link, where the replica puts it there: an ingress of an older version,
+# which takes it from the request's call only, does not say it.
+FIRSTS = "firsts"
 
 
 class DeltaLinkLost(ConnectionError):
@@ -63,8 +68,9 @@ def tune(sock: socket.socket | None) -> None:
 class LinkSink:
     """The engine replica's end of one link: where its channel's batches are written."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, firsts: bool = False) -> None:
         self.writer = writer
+        self.firsts = firsts  # its ingress reads requests' first deltas from it too
         self.broken = False
 
     async def send(self, data: bytes) -> None:
@@ -103,8 +109,8 @@ class LinkListener:
         tune(writer.get_extra_info("socket"))
         channel, sink = None, None
         try:
-            channel = (await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT_S)).decode()
-            channel = channel.strip()
+            hello = (await asyncio.wait_for(reader.readline(), CONNECT_TIMEOUT_S)).decode()
+            channel, _, options = hello.strip().partition("\t")
             if not channel:
                 return
             if (replaced := self.sinks.pop(channel, None)) is not None:
@@ -112,7 +118,7 @@ class LinkListener:
                 # requests on it): they end here too, rather than run for nobody.
                 replaced.close()
                 self.on_lost(channel)
-            sink = self.sinks[channel] = LinkSink(writer)
+            sink = self.sinks[channel] = LinkSink(writer, FIRSTS in options.split(","))
             writer.write(frame(b""))  # it may subscribe now
             await writer.drain()
             while await reader.read(1 << 12):  # it sends nothing more: this waits for its end
@@ -194,7 +200,7 @@ async def connect(
             transport, reader = await loop.create_connection(
                 lambda: LinkReader(on_batch, on_lost), *address
             )
-            transport.write(channel.encode() + b"\n")
+            transport.write(f"{channel}\t{FIRSTS}\n".encode())
             await reader.accepted
         return reader
     except (OSError, TimeoutError) as exc:

@@ -34,6 +34,7 @@ def _ingress_counts(cluster) -> dict[str, float]:
 def _engine_counts(cluster) -> dict[str, int]:
     stats = cluster.replica_stats(APP, 2).values()
     keys = ("num_steps_total", "channel_deltas_total", "channel_link_batches_total")
+    keys += ("first_deltas_on_links_total",)
     return {key: sum(s[key] for s in stats) for key in keys}
 
 
@@ -81,7 +82,8 @@ def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_st
     ingress = {k: v - ingress_before[k] for k, v in _ingress_counts(emulated_app).items()}
     # Every stream says the text from its start (position 2n of the text's cycle), whole.
     expected = tokenizer.decode(text[:MAX_TOKENS])
-    assert all(said == expected and tokens == MAX_TOKENS for said, tokens in results)
+    bad = [(s, t) for s, t in results if s != expected or t != MAX_TOKENS]
+    assert not bad, (len(bad), expected, bad[:3])
     tokens = STREAMS * MAX_TOKENS
     print(f"{tokens} tokens: ingress {ingress}, engine replicas {engine}")
     # Each request went once to an engine replica, nearly all straight to its actor (Serve's
@@ -95,6 +97,39 @@ def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_st
     assert ingress["response_wakeups"] <= ingress["channel_deltas"], ingress
     # Steps of several tokens happened: fewer deltas (and wake-ups) than tokens.
     assert ingress["channel_deltas"] < tokens - STREAMS, (ingress, tokens)
+
+
+@pytest.mark.timeout(120)
+def test_one_client_after_another_gets_each_first_delta_on_the_delta_link(emulated_app):
+    """Streams one after another: while its channel's link is open, each request's first
+    delta goes on the link (ahead of the request's Ray call, which then only names the
+    replica), and each stream says its whole text once, however the two arrive."""
+    tokenizer = AutoTokenizer.from_pretrained(emulated_app.model)
+    text = said_ids(tokenizer)
+    body = {"model": "tiny", "prompt": text * 2, "max_tokens": 24, "stream": True}
+    expected = tokenizer.decode(text[:24])
+
+    def one(http: httpx.Client) -> str:
+        said = []
+        with http.stream("POST", f"{emulated_app.v1(APP)}/completions", json=body) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    said += [c["text"] for c in json.loads(line[len("data: ") :])["choices"]]
+        return "".join(said)
+
+    with httpx.Client(timeout=60) as http:
+        assert one(http) == expected  # the link is open (and its subscription) after this
+        engine_before, ingress_before = _engine_counts(emulated_app), _ingress_counts(emulated_app)
+        said = [one(http) for _ in range(8)]
+    assert said == [expected] * 8
+    engine = {k: v - engine_before[k] for k, v in _engine_counts(emulated_app).items()}
+    ingress = {k: v - ingress_before[k] for k, v in _ingress_counts(emulated_app).items()}
+    print(f"one client, 8 streams: ingress {ingress}, engine replicas {engine}")
+    # Two replicas: a request may reach the one whose subscription ended idle meanwhile.
+    assert engine["first_deltas_on_links_total"] >= 4, engine
+    assert 1 <= ingress["first_deltas_ahead"] <= engine["first_deltas_on_links_total"], ingress
+    assert ingress["channel_deltas"] == engine["channel_deltas_total"], (ingress, engine)
 
 
 @pytest.mark.timeout(300)
