@@ -112,6 +112,8 @@ _PATH_COUNTERS = (
      "num_direct_calls", False),
     ("engine_calls_routed", "Engine calls sent through Serve's handle.", "num_handle_calls",
      False),
+    ("engine_calls_on_links", "Engine calls sent on the chosen replica's delta link.",
+     "num_link_calls", False),
     ("sequences_handed_on", "Sequences moved with their KV from a prefill replica to a decode "
      "replica (disaggregation).", "num_handed_on", False),
     ("channel_messages", "Delta channel messages taken.", "num_messages", True),

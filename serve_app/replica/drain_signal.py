@@ -12,12 +12,17 @@ drains as Serve's replicas do.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from ray import serve
+from ray.serve._private.common import RequestMetadata
 
 logger = logging.getLogger(__name__)
+
+_LINK_CALL = RequestMetadata(request_id="", internal_request_id="", call_method="generate")
 
 
 class DrainSignal:
@@ -32,6 +37,21 @@ class DrainSignal:
     def readable(self) -> bool:
         """Whether a stop can be seen at all."""
         return self._replica is not None
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """A request that did not come through Serve (a link call) counted among Serve's
+        ongoing requests while it runs: Serve's stop waits for it as for its own, and its
+        routers' probes see it."""
+        manager = getattr(self._replica, "_metrics_manager", None)
+        if manager is None:
+            yield
+            return
+        manager.inc_num_ongoing_requests(_LINK_CALL)
+        try:
+            yield
+        finally:
+            manager.dec_num_ongoing_requests(_LINK_CALL)
 
     def stopping(self) -> bool:
         return bool(self._replica is not None and getattr(self._replica, "_shutting_down", False))

@@ -8,6 +8,7 @@ EngineRejection out.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -41,6 +42,7 @@ from serve_app.transport.delta_channel import (
 )
 from serve_app.transport.delta_link import LinkListener
 from serve_app.transport.engine_rejection import EngineRejection
+from serve_app.transport.link_call import LinkCallServer
 from serve_app.transport.moved_sequence import MovedOut
 
 logger = logging.getLogger(__name__)
@@ -93,11 +95,15 @@ class EngineServer:
         self.tracer = tracing.make_tracer(self.args.tracing, "engine")
         self.decision = ControlDecision(start)
         self.outboxes = Outboxes()
-        self.links = LinkListener(ray.util.get_node_ip_address(), self.outboxes.lost)
+        self.moves = SequenceMoves(self.engine, self.replica_id, self.args.kv_transport)
+        on_link = functools.partial(self.generate, on_link=True)
+        self.link_calls = LinkCallServer(on_link, self.moves.drain.counted)
+        self.links = LinkListener(
+            ray.util.get_node_ip_address(), self.outboxes.lost, self.link_calls.on_message
+        )
         self.num_reports_ok = 0
         self.num_report_failures = 0
         self._last_reported: SchedulerStats | None = None
-        self.moves = SequenceMoves(self.engine, self.replica_id, self.args.kv_transport)
         self.prefill_only = prefill_only
         self.num_handed_on = 0  # sequences a prefill replica moved on after their first token
         self.num_firsts_on_links = 0  # first deltas sent on a delta link, not on their call
@@ -124,6 +130,7 @@ class EngineServer:
         resume: Resume | None = None,
         caller: str | None = None,
         lora: tuple[str, str] | None = None,
+        on_link: bool = False,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
         deltas then go through that channel's subscription; while that is on a delta link
@@ -134,7 +141,8 @@ class EngineServer:
         blocks). `resume`: the request goes on from where it stopped at a replica that died.
         `caller`: the ingress replica's actor name when there is no channel (the request ends
         if that actor dies). `lora`: the LoRA adapter (name, directory) the request runs with,
-        loaded here at first use."""
+        loaded here at first use. `on_link`: the call came on a delta link (link_call), where
+        only plain data goes back."""
         if replica_id is not None and replica_id != self.replica_id:
             # Serve's router may hand a choice made for another request to this one.
             yield EngineRejection("elsewhere", f"sent to {self.replica_id}, not {replica_id}")
@@ -222,7 +230,8 @@ class EngineServer:
                         yield final
                     else:
                         outbox.put(final)
-                    sent = None if moved.kv is None else await self.moves.send(moved.kv)
+                    kv = moved.kv
+                    sent = None if kv is None else await self.moves.send(kv, plain=on_link)
                     try:
                         yield MovedOut(sent)
                         # Held (with the KV) until the ingress has resumed it and cancels
@@ -279,6 +288,7 @@ class EngineServer:
             loras=self._held_loras(),
             delta_link_address=self.links.address,
             first_deltas_on_links_total=self.num_firsts_on_links,
+            link_calls_total=self.link_calls.num_calls,
             **self.moves.stats(),
             **self.outboxes.stats(),
         )

@@ -104,14 +104,18 @@ class SequenceMoves:
             kv = None
         return dataclasses.replace(resume, kv=kv)
 
-    async def send(self, kv: SequenceKV) -> KVOffer | ray.ObjectRef | SequenceKV:
+    async def send(
+        self, kv: SequenceKV, plain: bool = False
+    ) -> KVOffer | ray.ObjectRef | SequenceKV:
         """What the ingress passes on to the replica where the sequence goes on: the KV's
         offer on this replica's link, or its ObjectRef (a copy on the host in Ray's object
-        store; off the event loop); KV without bytes (an emulated engine's) as it is."""
+        store; off the event loop); KV without bytes (an emulated engine's) as it is.
+        `plain`: the offer, whatever the transport (the answer goes on a delta link, where
+        only plain data crosses: Ray does not track an ObjectRef sent there)."""
         if kv.data is None:
             return kv
         on_gpu = getattr(kv.data, "is_cuda", False)
-        if self.transport == "link" or (self.transport == "auto" and on_gpu):
+        if plain or self.transport == "link" or (self.transport == "auto" and on_gpu):
             return self.link.offer(kv)
         return await asyncio.to_thread(lambda: ray.put(on_host(kv)))
 

@@ -284,6 +284,11 @@ class DeltaChannels:
         self.num_deltas = 0
         self.num_wakeups = 0
 
+    def call_link(self, replica_id: str) -> delta_link.LinkReader | None:
+        """The open delta link to replica_id, where it takes engine calls."""
+        link = self._links.get(replica_id)
+        return link if link is not None and link.takes_calls else None
+
     @property
     def linked(self) -> bool:
         """Whether a delta link is open (a request's first delta may come on it)."""

@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import socket
 from collections.abc import Callable
+from typing import Any
+
+from serve_app.transport import link_call
+from serve_app.transport.link_call import LinkCall
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,11 @@ _HEADER = 4  # bytes of a frame's length
 # delta from the link, where the replica puts it there: an ingress of an older version,
 # which takes it from the request's call only, does not say it.
 FIRSTS = "firsts"
+# Said there too by an ingress that sends engine calls on the link (serve_app.transport.
+# link_call), and answered in the replica's first frame where it takes them: each later frame
+# from the replica then starts with a byte that says what it holds.
+CALLS = "calls"
+_BATCH, _ITEM = b"B", b"I"
 
 
 class DeltaLinkLost(ConnectionError):
@@ -66,11 +76,14 @@ def tune(sock: socket.socket | None) -> None:
 
 # ------------------------------------------------------------------- engine replica's end
 class LinkSink:
-    """The engine replica's end of one link: where its channel's batches are written."""
+    """The engine replica's end of one link: where its channel's batches, and the items of
+    the engine calls that came on it, are written."""
 
-    def __init__(self, writer: asyncio.StreamWriter, firsts: bool = False) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, options: frozenset[str] = frozenset()) -> None:
         self.writer = writer
-        self.firsts = firsts  # its ingress reads requests' first deltas from it too
+        self.firsts = FIRSTS in options  # its ingress reads requests' first deltas from it too
+        self.takes_calls = CALLS in options  # it sends engine calls; frames say what they hold
+        self.calls: dict[str, asyncio.Task] = {}  # request id -> the call running it
         self.broken = False
 
     async def send(self, data: bytes) -> None:
@@ -78,21 +91,36 @@ class LinkSink:
         merged into fewer batches); ConnectionError once the link is broken."""
         if self.broken or self.writer.is_closing():
             raise ConnectionError("the delta link is closed")
-        self.writer.write(frame(data))
+        self.writer.write(frame(_BATCH + data if self.takes_calls else data))
         await self.writer.drain()
+
+    def send_item(self, request_id: str, kind: str, payload: Any) -> None:
+        """The next item of an engine call that came on this link (dropped once it broke:
+        its calls are cancelled then)."""
+        if not self.broken and not self.writer.is_closing():
+            self.writer.write(frame(_ITEM + link_call.item_message(request_id, kind, payload)))
 
     def close(self) -> None:
         self.broken = True
         self.writer.close()
+        for task in self.calls.values():  # nobody reads their items any more
+            task.cancel()
 
 
 class LinkListener:
     """The port an engine replica's delta links connect to. `on_lost(channel)` runs when a
-    channel's link breaks (or its ingress closes it)."""
+    channel's link breaks (or its ingress closes it); `on_call(sink, message)` takes each
+    message of the engine calls sent on a link (None: the links take no calls)."""
 
-    def __init__(self, host: str, on_lost: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        host: str,
+        on_lost: Callable[[str], None],
+        on_call: Callable[[LinkSink, tuple[Any, ...]], None] | None = None,
+    ) -> None:
         self.host = host
         self.on_lost = on_lost
+        self.on_call = on_call
         self.sinks: dict[str, LinkSink] = {}
         self.address: tuple[str, int] | None = None  # once listening
         self._server: asyncio.Server | None = None
@@ -118,12 +146,18 @@ class LinkListener:
                 # requests on it): they end here too, rather than run for nobody.
                 replaced.close()
                 self.on_lost(channel)
-            sink = self.sinks[channel] = LinkSink(writer, FIRSTS in options.split(","))
-            writer.write(frame(b""))  # it may subscribe now
+            said = frozenset(options.split(","))
+            if self.on_call is None:
+                said -= {CALLS}
+            sink = self.sinks[channel] = LinkSink(writer, said)
+            writer.write(frame(CALLS.encode() if sink.takes_calls else b""))  # it may subscribe
             await writer.drain()
-            while await reader.read(1 << 12):  # it sends nothing more: this waits for its end
-                pass
-        except (OSError, TimeoutError, UnicodeDecodeError):
+            while True:  # engine calls, until the link's end (an older ingress sends none)
+                size = int.from_bytes(await reader.readexactly(_HEADER), "big")
+                message = pickle.loads(await reader.readexactly(size))
+                if self.on_call is not None:
+                    self.on_call(sink, message)
+        except (OSError, TimeoutError, UnicodeDecodeError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
@@ -141,8 +175,9 @@ class LinkListener:
 
 # ------------------------------------------------------------------ ingress replica's end
 class LinkReader(asyncio.Protocol):
-    """The ingress's end of one link: each frame's batch to `on_batch`, the link's end (its
-    exception, None when the engine replica closed it) to `on_lost`."""
+    """The ingress's end of one link: each frame's batch to `on_batch`, each engine call's
+    items to its LinkCall, the link's end (its exception, None when the engine replica
+    closed it) to `on_lost` and to every call still open."""
 
     def __init__(
         self, on_batch: Callable[[bytes], None], on_lost: Callable[[Exception | None], None]
@@ -150,7 +185,9 @@ class LinkReader(asyncio.Protocol):
         self.on_batch = on_batch
         self.on_lost = on_lost
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.num_frames = 0
+        self.num_frames = 0  # batches
+        self.takes_calls = False  # the replica takes engine calls on it
+        self.calls: dict[str, LinkCall] = {}  # request id -> its open call
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
 
@@ -169,15 +206,51 @@ class LinkReader(asyncio.Protocol):
             body = bytes(buffer[start + _HEADER : end])
             start = end
             if not self.accepted.done():
+                self.takes_calls = body == CALLS.encode()
                 self.accepted.set_result(None)
                 continue
+            if self.takes_calls:
+                if body[:1] == _ITEM:
+                    request_id, kind, payload = pickle.loads(body[1:])
+                    if (call := self.calls.get(request_id)) is not None:
+                        call.deliver(kind, payload)
+                    continue
+                body = body[1:]
             self.num_frames += 1
             self.on_batch(body)
         del buffer[:start]
 
+    def call(
+        self,
+        request_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        on_end: Callable[[], None] = lambda: None,
+    ) -> LinkCall:
+        """An engine call sent on this link (its arguments plain data that pickles);
+        `on_end` runs once it ended (its last item, its cancel, or the link's end)."""
+        assert self.transport is not None and self.takes_calls
+        message = link_call.call_message(request_id, args, kwargs)
+
+        def cancel() -> None:
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(frame(link_call.cancel_message(request_id)))
+
+        def ended() -> None:
+            if self.calls.get(request_id) is call:
+                del self.calls[request_id]
+            on_end()
+
+        call = self.calls[request_id] = LinkCall(cancel, ended)
+        self.transport.write(frame(message))
+        return call
+
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.accepted.done():
             self.accepted.set_exception(exc or ConnectionError("the delta link was refused"))
+        lost = DeltaLinkLost(f"the delta link broke: {exc!r}")
+        for call in list(self.calls.values()):
+            call.deliver("lost", lost)
         self.on_lost(exc)
 
     def close(self) -> None:
@@ -200,7 +273,7 @@ async def connect(
             transport, reader = await loop.create_connection(
                 lambda: LinkReader(on_batch, on_lost), *address
             )
-            transport.write(f"{channel}\t{FIRSTS}\n".encode())
+            transport.write(f"{channel}\t{FIRSTS},{CALLS}\n".encode())
             await reader.accepted
         return reader
     except (OSError, TimeoutError) as exc:

@@ -11,6 +11,9 @@ counts, limits and cancels it as any other. What the handle does beside that is 
 Serve does it: the queue-length cache counts the call while it runs, and a replica whose actor
 died is dropped from the router's list at once.
 
+Where the ingress holds a delta link to the chosen replica that takes engine calls, the call
+goes on it instead (serve_app.transport.link_call), counted in the cache the same way.
+
 Only the easy case goes direct: a replica known to have room. While Serve's router has no
 replicas yet, or none with room by its cache, `send` returns None and the caller uses the
 handle, whose routing waits, probes and backs off. (Our engine replicas answer a full replica's
@@ -22,14 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve._private.common import RequestMetadata
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from serve_app.transport.delta_link import LinkReader
+from serve_app.transport.link_call import LinkCall
 from serve_app.transport.router import LoadAwareRouter
 
 logger = logging.getLogger(__name__)
@@ -52,9 +60,17 @@ class DirectCall:
 
 
 class DirectCalls:
-    def __init__(self, handle: DeploymentHandle, method: str) -> None:
-        """`handle`: the engine deployment's streaming handle (its router is the one used)."""
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        method: str,
+        links: Callable[[str], LinkReader | None] = lambda replica_id: None,
+    ) -> None:
+        """`handle`: the engine deployment's streaming handle (its router is the one used).
+        `links(replica_id)`: the delta link to that replica that takes engine calls, if
+        one is open: a call goes there rather than as a Ray actor call."""
         self.handle = handle
+        self.links = links
         self._metadata = RequestMetadata(
             request_id="",
             internal_request_id="",
@@ -64,12 +80,18 @@ class DirectCalls:
             _on_separate_loop=False,
         )
 
-    def send(self, request_id: str, *args: Any, **kwargs: Any) -> DirectCall | None:
-        """The call, sent to the replica the router picks; None when it cannot go direct."""
+    def send(self, request_id: str, *args: Any, **kwargs: Any) -> DirectCall | LinkCall | None:
+        """The call, sent to the replica the router picks (on its delta link, where one is
+        open); None when it cannot go direct."""
         router = self._router()
         replica = router.pick(args, kwargs) if router is not None else None
         if router is None or replica is None:
             return None
+        link = self.links(replica.replica_id.unique_id) if _plain(kwargs) else None
+        if link is not None:
+            router.on_send_request(replica.replica_id)
+            ended = functools.partial(router.decrement_queue_len_cache, replica.replica_id)
+            return link.call(request_id, args, kwargs, on_end=ended)
         metadata = dataclasses.replace(
             self._metadata, request_id=request_id, internal_request_id=request_id
         )
@@ -102,3 +124,10 @@ class DirectCalls:
                 router.on_replica_actor_died(replica.replica_id)
         elif isinstance(outcome, ActorUnavailableError):
             router.on_replica_actor_unavailable(replica.replica_id)
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments may cross a link: a resumed sequence's KV in Ray's object
+    store goes by Ray, which tracks who holds its reference."""
+    resume = kwargs.get("resume")
+    return resume is None or not isinstance(resume.kv, ray.ObjectRef)

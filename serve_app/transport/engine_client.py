@@ -35,6 +35,7 @@ from serve_app.transport.delta_channel import ChannelledFirst, DeltaChannels
 from serve_app.transport.delta_link import DeltaLinkLost
 from serve_app.transport.direct_calls import DirectCalls
 from serve_app.transport.engine_rejection import EngineRejection
+from serve_app.transport.link_call import LinkCall
 from serve_app.transport.moved_sequence import SequenceLeft
 from serve_app.transport.streaming import Prepared, RequestStream
 
@@ -101,13 +102,15 @@ class EngineClient:
         starts; `engine` then takes each one with its KV after its first token."""
         # The method's handle, made once (a handle's attribute makes a new one each time).
         self.generate = engine.options(stream=True).generate
-        self.direct = DirectCalls(self.generate, "generate")
+        links = channels.call_link if channels is not None else lambda replica_id: None
+        self.direct = DirectCalls(self.generate, "generate", links)
         self.prefill_generate = self.prefill_direct = None
         if prefill is not None:
             self.prefill_generate = prefill.options(stream=True).generate
             self.prefill_direct = DirectCalls(self.prefill_generate, "generate")
         self.num_handed_on = 0  # sequences that went from a prefill replica to a decode one
         self.num_direct_calls = 0  # sends straight to a replica's actor (/metrics)
+        self.num_link_calls = 0  # sends on a replica's delta link
         self.num_handle_calls = 0  # sends through Serve's handle
         self.caller = caller
         self.channels = channels
@@ -264,7 +267,9 @@ class EngineClient:
         }
         try:
             stream.call = direct.send(request_id, *args, **kwargs)
-            if stream.call is not None:
+            if isinstance(stream.call, LinkCall):
+                self.num_link_calls += 1
+            elif stream.call is not None:
                 self.num_direct_calls += 1
             else:  # no replica known to have room: Serve's routing waits, probes, backs off
                 stream.call = generate.remote(*args, **kwargs)

@@ -1,14 +1,19 @@
 """Delta links (serve_app/transport/delta_link.py) over real loopback sockets: an outbox's
 batches reach the ingress's end in order, and a link's end, from either side, ends the
-channel's open requests at the engine replica and tells the ingress."""
+channel's open requests at the engine replica and tells the ingress; engine calls sent on a
+link (serve_app/transport/link_call.py) run at the replica and end with the link."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+
+import pytest
 
 from engine.core.outputs import RequestOutput
 from serve_app.transport import delta_link
 from serve_app.transport.delta_channel import Outboxes, unpacked
+from serve_app.transport.link_call import LinkCallServer
 
 
 def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:
@@ -128,5 +133,98 @@ def test_no_listener_means_no_link():
         ingress = _Ingress()
         link = await delta_link.connect(("127.0.0.1", port), "c", ingress.batch, ingress.lost)
         assert link is None and not ingress.ended.done()
+
+    asyncio.run(run())
+
+
+class _Replica:
+    """An engine replica's method behind the links' engine calls: yields `count` items, or
+    waits after the first until cancelled (`aborted` then says so), or fails."""
+
+    def __init__(self) -> None:
+        self.aborted = asyncio.Event()
+        self.counted = 0
+
+    async def generate(self, count: int, hold: bool = False, fail: bool = False):
+        try:
+            for i in range(count):
+                yield i
+            if fail:
+                raise ValueError("bad step")
+            if hold:
+                await asyncio.sleep(3600)
+        finally:
+            if hold:
+                self.aborted.set()
+
+    @contextlib.contextmanager
+    def count(self):
+        self.counted += 1
+        try:
+            yield
+        finally:
+            self.counted -= 1
+
+
+async def _with_calls(channel: str):
+    replica = _Replica()
+    server = LinkCallServer(replica.generate, replica.count)
+    outboxes = Outboxes()
+    listener = delta_link.LinkListener("127.0.0.1", outboxes.lost, server.on_message)
+    await listener.start()
+    assert listener.address is not None
+    ingress = _Ingress()
+    reader = await delta_link.connect(listener.address, channel, ingress.batch, ingress.lost)
+    assert reader is not None and reader.takes_calls
+    return replica, server, outboxes, listener, ingress, reader
+
+
+def test_a_call_on_the_link_runs_at_the_replica_and_its_items_come_back_in_order():
+    """Items, the end and an error come back on the call; the channel's batches still reach
+    the ingress on the same link; Serve's count holds the call while it runs."""
+
+    async def run() -> None:
+        replica, server, outboxes, listener, ingress, reader = await _with_calls("i/a")
+        ended = []
+        call = reader.call("r1", (5,), {}, on_end=lambda: ended.append("r1"))
+        assert [item async for item in call] == [0, 1, 2, 3, 4]
+        assert ended == ["r1"] and not reader.calls and server.num_calls == 1
+        failing = reader.call("r2", (1,), {"fail": True})
+        assert await anext(failing) == 0
+        with pytest.raises(ValueError, match="bad step"):
+            await anext(failing)
+        outbox = outboxes.open("i/a")
+        task = asyncio.create_task(anext(outboxes.subscribe("i/a", listener.sinks["i/a"])))
+        outbox.put(_delta("x", 7, finished=True))
+        for _ in range(200):
+            if ingress.deltas:
+                break
+            await asyncio.sleep(0.005)
+        assert ingress.deltas == [("x", 7)]
+        assert replica.counted == 0
+        task.cancel()
+        listener.close()
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_call_and_a_broken_link_end_the_call_at_the_replica():
+    async def run() -> None:
+        replica, _, _, listener, _, reader = await _with_calls("i/a")
+        call = reader.call("r1", (1,), {"hold": True})
+        assert await anext(call) == 0
+        assert replica.counted == 1
+        call.cancel()
+        await asyncio.wait_for(replica.aborted.wait(), 5)
+        with pytest.raises(StopAsyncIteration):
+            await anext(call)
+        replica.aborted.clear()
+        held = reader.call("r2", (1,), {"hold": True})
+        assert await anext(held) == 0
+        listener.close()  # the replica's end goes: the call fails at the ingress, ends there
+        with pytest.raises(delta_link.DeltaLinkLost):
+            await asyncio.wait_for(anext(held), 5)
+        await asyncio.wait_for(replica.aborted.wait(), 5)
+        assert replica.counted == 0
 
     asyncio.run(run())

@@ -34,7 +34,7 @@ def _ingress_counts(cluster) -> dict[str, float]:
 def _engine_counts(cluster) -> dict[str, int]:
     stats = cluster.replica_stats(APP, 2).values()
     keys = ("num_steps_total", "channel_deltas_total", "channel_link_batches_total")
-    keys += ("first_deltas_on_links_total",)
+    keys += ("first_deltas_on_links_total", "link_calls_total")
     return {key: sum(s[key] for s in stats) for key in keys}
 
 
@@ -86,10 +86,12 @@ def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_st
     assert not bad, (len(bad), expected, bad[:3])
     tokens = STREAMS * MAX_TOKENS
     print(f"{tokens} tokens: ingress {ingress}, engine replicas {engine}")
-    # Each request went once to an engine replica, nearly all straight to its actor (Serve's
-    # handle only while its router knows of no replica with room).
-    assert ingress["engine_calls_direct"] + ingress["engine_calls_routed"] == STREAMS, ingress
-    assert ingress["engine_calls_direct"] >= STREAMS * 3 // 4, ingress
+    # Each request went once to an engine replica, nearly all straight to it (on its delta
+    # link once one is open, else to its actor; Serve's handle only while its router knows
+    # of no replica with room).
+    straight = ingress["engine_calls_direct"] + ingress["engine_calls_on_links"]
+    assert straight + ingress["engine_calls_routed"] == STREAMS, ingress
+    assert straight >= STREAMS * 3 // 4, ingress
     assert ingress["channel_messages"] <= engine["num_steps_total"], (ingress, engine)
     # Those messages came on the delta links (TCP), not as Ray messages.
     assert ingress["channel_messages"] == engine["channel_link_batches_total"], (ingress, engine)
@@ -101,9 +103,10 @@ def test_many_streams_take_a_message_per_step_and_wake_each_response_once_per_st
 
 @pytest.mark.timeout(120)
 def test_one_client_after_another_gets_each_first_delta_on_the_delta_link(emulated_app):
-    """Streams one after another: while its channel's link is open, each request's first
-    delta goes on the link (ahead of the request's Ray call, which then only names the
-    replica), and each stream says its whole text once, however the two arrive."""
+    """Streams one after another: once this ingress holds a delta link to a replica, its
+    requests there go on the link (not as Ray calls), and while the channel's subscription
+    is on the link each request's first delta goes there too (ahead of the call's item,
+    which then only names the replica); each stream says its whole text once."""
     tokenizer = AutoTokenizer.from_pretrained(emulated_app.model)
     text = said_ids(tokenizer)
     body = {"model": "tiny", "prompt": text * 2, "max_tokens": 24, "stream": True}
@@ -126,8 +129,11 @@ def test_one_client_after_another_gets_each_first_delta_on_the_delta_link(emulat
     engine = {k: v - engine_before[k] for k, v in _engine_counts(emulated_app).items()}
     ingress = {k: v - ingress_before[k] for k, v in _ingress_counts(emulated_app).items()}
     print(f"one client, 8 streams: ingress {ingress}, engine replicas {engine}")
-    # Two replicas: a request may reach the one whose subscription ended idle meanwhile.
+    # Two replicas: a request may reach the one whose subscription ended idle meanwhile,
+    # or the one this ingress holds no link to yet.
     assert engine["first_deltas_on_links_total"] >= 4, engine
+    assert ingress["engine_calls_on_links"] >= 4, ingress
+    assert engine["link_calls_total"] == ingress["engine_calls_on_links"], (ingress, engine)
     assert 1 <= ingress["first_deltas_ahead"] <= engine["first_deltas_on_links_total"], ingress
     assert ingress["channel_deltas"] == engine["channel_deltas_total"], (ingress, engine)
 

@@ -195,4 +195,3 @@ def test_a_json_body_of_any_json_media_type_is_served(serve_cluster, content_typ
         lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert resp.status_code == 200
     assert lines[-1] == "data: [DONE]"
-
