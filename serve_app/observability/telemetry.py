@@ -121,8 +121,6 @@ _PATH_COUNTERS = (
     ("response_wakeups", "Wake-ups of streamed responses for deltas.", "num_wakeups", True),
     ("delta_links_lost", "Delta links that broke with requests open (those resumed).",
      "num_links_lost", True),
-    ("first_deltas_ahead", "First deltas that came on a delta link ahead of their engine "
-     "call's first item.", "num_firsts_ahead", True),
 )  # fmt: skip
 
 

@@ -34,12 +34,7 @@ from serve_app.config import AppArgs
 from serve_app.observability import replica_logs, tracing
 from serve_app.replica.health import health_problem
 from serve_app.replica.sequence_moves import MOVED_HOLD_S, SequenceMoves, moved_delta
-from serve_app.transport.delta_channel import (
-    ChannelledFirst,
-    FirstDelta,
-    Outboxes,
-    channel_name,
-)
+from serve_app.transport.delta_channel import ChannelledFirst, Outboxes, channel_name
 from serve_app.transport.delta_link import LinkListener
 from serve_app.transport.engine_rejection import EngineRejection
 from serve_app.transport.link_call import LinkCallServer
@@ -106,7 +101,6 @@ class EngineServer:
         self._last_reported: SchedulerStats | None = None
         self.prefill_only = prefill_only
         self.num_handed_on = 0  # sequences a prefill replica moved on after their first token
-        self.num_firsts_on_links = 0  # first deltas sent on a delta link, not on their call
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.outboxes.watch_owners())]
         if self.args.delta_channels and self.args.delta_links:
@@ -133,9 +127,8 @@ class EngineServer:
         on_link: bool = False,
     ) -> AsyncIterator[RequestOutput | ChannelledFirst | EngineRejection]:
         """One request: its first delta (a ChannelledFirst when `channel` is given, whose later
-        deltas then go through that channel's subscription; while that is on a delta link
-        whose ingress reads first deltas too, the first goes there, ahead of this item), then
-        one delta per engine step (coalesced by stream_interval_s), or one EngineRejection.
+        deltas then go through that channel's subscription), then one delta per engine step
+        (coalesced by stream_interval_s), or one EngineRejection.
         `replica_id` is read by the ingress's request router, which sends the call to that
         replica (a request's further sequences, to the replica holding its prompt's KV
         blocks). `resume`: the request goes on from where it stopped at a replica that died.
@@ -196,10 +189,6 @@ class EngineServer:
             try:
                 if channel is None:
                     yield first
-                elif outbox.takes_firsts:  # on the link, ahead of the call's item
-                    outbox.put(FirstDelta(first))
-                    self.num_firsts_on_links += 1
-                    yield ChannelledFirst(None, self.replica_id, self.links.address)
                 else:
                     yield ChannelledFirst(first, self.replica_id, self.links.address)
                 if self.prefill_only and not first.finished:
@@ -287,7 +276,6 @@ class EngineServer:
             num_report_failures=self.num_report_failures,
             loras=self._held_loras(),
             delta_link_address=self.links.address,
-            first_deltas_on_links_total=self.num_firsts_on_links,
             link_calls_total=self.link_calls.num_calls,
             **self.moves.stats(),
             **self.outboxes.stats(),

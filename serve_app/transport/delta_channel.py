@@ -51,31 +51,16 @@ OWNER_CHECK_S = 2.0
 
 
 _row = attrgetter(*(f.name for f in fields(RequestOutput)))
-_NUM_FIELDS = len(fields(RequestOutput))
 
 
-@dataclass(frozen=True)
-class FirstDelta:
-    """A request's first delta, sent on its channel's link ahead of its call's first item
-    (which then says only that it was): the ingress tells it from the later deltas, which the
-    link may bring before the call's item too."""
-
-    output: RequestOutput
+def packed(batch: list[RequestOutput]) -> bytes:
+    return pickle.dumps([_row(out) for out in batch], protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def packed(batch: list[RequestOutput | FirstDelta]) -> bytes:
-    """One pickle of each delta's row of field values (a first delta's row ends in True)."""
-    rows = [_row(d) if type(d) is RequestOutput else (*_row(d.output), True) for d in batch]
-    return pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def unpacked(data: bytes | list[RequestOutput]) -> list[RequestOutput | FirstDelta]:
+def unpacked(data: bytes | list[RequestOutput]) -> list[RequestOutput]:
     if isinstance(data, list):  # from an engine replica of the previous version (an update)
         return data
-    return [
-        RequestOutput(*row) if len(row) == _NUM_FIELDS else FirstDelta(RequestOutput(*row[:-1]))
-        for row in pickle.loads(data)
-    ]
+    return [RequestOutput(*row) for row in pickle.loads(data)]
 
 
 def channel_name(owner: str, suffix: str) -> str:
@@ -99,11 +84,10 @@ def _owner_alive(owner: str) -> bool:
 
 @dataclass(frozen=True)
 class ChannelledFirst:
-    """First item of a request that streams through a channel: its first delta (None: that
-    went on the channel too, ahead of this item, as the rest) and the engine replica whose
-    channel carries the rest."""
+    """First item of a request that streams through a channel: its first delta and the engine
+    replica whose channel carries the rest."""
 
-    output: RequestOutput | None
+    output: RequestOutput
     replica_id: str
     link: tuple[str, int] | None = None  # where the replica's delta links connect
 
@@ -112,10 +96,9 @@ class Outbox:
     """Deltas waiting for one channel's subscription at an engine replica."""
 
     def __init__(self) -> None:
-        self.items: list[RequestOutput | FirstDelta] = []
+        self.items: list[RequestOutput] = []
         self.num_open = 0  # this channel's requests at the replica that have not ended
         self.num_subscribers = 0
-        self.num_first_readers = 0  # subscribers on a link whose ingress reads first deltas
         self.num_batches = 0
         self.num_deltas = 0
         # Its ingress replica died: its requests end (a dead caller's streams are never
@@ -124,13 +107,11 @@ class Outbox:
         self._ready = asyncio.Event()
         self._last_read = time.monotonic()
 
-    def put(self, out: RequestOutput | FirstDelta) -> None:
+    def put(self, out: RequestOutput) -> None:
         self.items.append(out)
         self._ready.set()
 
-    async def take(
-        self, idle_s: float = SUBSCRIPTION_IDLE_S
-    ) -> list[RequestOutput | FirstDelta] | None:
+    async def take(self, idle_s: float = SUBSCRIPTION_IDLE_S) -> list[RequestOutput] | None:
         """Everything queued (at least one delta), or None once nothing was queued for idle_s
         and no request of the channel is open (the subscription may end)."""
         while not self.items:
@@ -145,12 +126,6 @@ class Outbox:
         self.num_batches += 1
         self.num_deltas += len(items)
         return items
-
-    @property
-    def takes_firsts(self) -> bool:
-        """A request's first delta may go here too: it reaches the ingress on a link, ahead of
-        the request's call, which then says only that it did."""
-        return self.num_first_readers > 0
 
     @property
     def unused(self) -> bool:
@@ -196,8 +171,6 @@ class Outboxes:
         `sink` (its delta link) when given, else yielded."""
         outbox = self._boxes.setdefault(channel, Outbox())
         outbox.num_subscribers += 1
-        firsts = sink is not None and sink.firsts
-        outbox.num_first_readers += firsts
         try:
             while (batch := await outbox.take()) is not None:
                 if sink is None:
@@ -210,7 +183,6 @@ class Outboxes:
                 self._link_batches += 1
         finally:
             outbox.num_subscribers -= 1
-            outbox.num_first_readers -= firsts
             if outbox.unused:
                 self._drop(channel, outbox)
 
@@ -277,7 +249,6 @@ class DeltaChannels:
         self._link_at: dict[str, tuple[str, int]] = {}  # replica id -> its links' address
         self._links: dict[str, delta_link.LinkReader] = {}  # replica id -> the open link
         self.num_links_lost = 0  # with requests open on them
-        self.num_firsts_ahead = 0  # first deltas on a link ahead of their call's item
         # What the path costs per engine step (/metrics): messages taken, deltas they held,
         # and wake-ups of the responses reading them (RequestStream counts its own).
         self.num_messages = 0
@@ -288,11 +259,6 @@ class DeltaChannels:
         """The open delta link to replica_id, where it takes engine calls."""
         link = self._links.get(replica_id)
         return link if link is not None and link.takes_calls else None
-
-    @property
-    def linked(self) -> bool:
-        """Whether a delta link is open (a request's first delta may come on it)."""
-        return bool(self._links)
 
     def open(self, request_id: str) -> DeltaQueue:
         """The request's queue; open it before the request is sent so no delta is missed."""
@@ -339,10 +305,8 @@ class DeltaChannels:
         self.num_messages += 1
         self.num_deltas += len(batch)
         for out in batch:
-            if type(out) is FirstDelta:
-                if (queue := self._queues.get(out.output.request_id)) is not None:
-                    queue.put_first(out.output)
-            elif (queue := self._queues.get(out.request_id)) is not None:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
                 queue.put_nowait(out)
 
     async def _link(self, replica_id: str) -> delta_link.LinkReader | None:

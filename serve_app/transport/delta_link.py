@@ -8,14 +8,14 @@ stays a Ray call: it starts and ends the engine replica's draining of the outbox
 is the replica's, and Serve routes it; only the batches move to the link.
 
 The ingress replica connects to the port the engine replica listens on (its node's address,
-in each request's ChannelledFirst), says which channel it reads (and that it takes a
-request's first delta on the link too: FIRSTS), and gets an empty frame back once the replica
-has it; each frame after that is one `packed` batch, 4 bytes of length first. A link that
-breaks, or whose peer stops answering (keepalive probes, and unacknowledged data, time out
-after LINK_DEAD_AFTER_S), ends the open requests of its channel at both ends: the engine
-replica aborts them (their blocks come back) and the ingress resumes them from the tokens
-their clients have, as when a replica dies. An ingress that cannot connect reads the
-batches from the subscription as before.
+in each request's ChannelledFirst), says which channel it reads, and gets an empty frame back
+once the replica has it; each frame after that is one `packed` batch, 4 bytes of length
+first. A link that breaks, or whose peer stops answering (keepalive probes, and unacknowledged
+data, time out after LINK_DEAD_AFTER_S), ends the open requests of its channel at both ends:
+the engine replica aborts them (their blocks come back) and the ingress resumes them from the
+tokens their clients have, as when a replica dies. An ingress that cannot connect reads the
+batches from the subscription as before. Engine calls go on the same link too, both ways
+(serve_app.transport.link_call).
 """
 
 from __future__ import annotations
@@ -39,13 +39,10 @@ LINK_DEAD_AFTER_S = 5
 # channel through Ray instead.
 CONNECT_TIMEOUT_S = 2.0
 _HEADER = 4  # bytes of a frame's length
-# Said after the channel's id (a tab between) by an ingress that reads a request's first
-# delta from the link, where the replica puts it there: an ingress of an older version,
-# which takes it from the request's call only, does not say it.
-FIRSTS = "firsts"
-# Said there too by an ingress that sends engine calls on the link (serve_app.transport.
-# link_call), and answered in the replica's first frame where it takes them: each later frame
-# from the replica then starts with a byte that says what it holds.
+# Said after the channel's id (a tab between) by an ingress that sends engine calls on the
+# link (serve_app.transport.link_call), and answered in the replica's first frame where it
+# takes them: each later frame from the replica then starts with a byte that says what it
+# holds. (Peers of an older version say and answer nothing: batches only, untagged.)
 CALLS = "calls"
 _BATCH, _ITEM = b"B", b"I"
 
@@ -81,7 +78,6 @@ class LinkSink:
 
     def __init__(self, writer: asyncio.StreamWriter, options: frozenset[str] = frozenset()) -> None:
         self.writer = writer
-        self.firsts = FIRSTS in options  # its ingress reads requests' first deltas from it too
         self.takes_calls = CALLS in options  # it sends engine calls; frames say what they hold
         self.calls: dict[str, asyncio.Task] = {}  # request id -> the call running it
         self.broken = False
@@ -273,7 +269,7 @@ async def connect(
             transport, reader = await loop.create_connection(
                 lambda: LinkReader(on_batch, on_lost), *address
             )
-            transport.write(f"{channel}\t{FIRSTS},{CALLS}\n".encode())
+            transport.write(f"{channel}\t{CALLS}\n".encode())
             await reader.accepted
         return reader
     except (OSError, TimeoutError) as exc:

@@ -37,21 +37,6 @@ class DeltaQueue:
         # Called once its client counts as not reading (set by the request's stream).
         self.on_overflow: Callable[[int], None] | None = None
         self._stall_check: asyncio.TimerHandle | None = None
-        # Its first delta, where that comes on a delta link ahead of the request's call.
-        self._first: asyncio.Future[RequestOutput] | None = None
-
-    def first(self) -> asyncio.Future[RequestOutput]:
-        """The request's first delta, once it came ahead (`put_first`), or the error that
-        ended the request before it did."""
-        if self._first is None:
-            self._first = asyncio.get_running_loop().create_future()
-        return self._first
-
-    def put_first(self, out: RequestOutput) -> None:
-        first = self.first()
-        if not first.done():
-            first.set_result(out)
-        self.ended |= out.finished
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
@@ -61,9 +46,6 @@ class DeltaQueue:
             self._watch_bound()
         else:
             self.ended = True
-            if self._first is not None and not self._first.done():
-                self._first.set_exception(item)
-                self._first.exception()  # (seen: nobody may wait for it any more)
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

@@ -68,7 +68,6 @@ class _Sequence:
     priority: int
     deadline: float  # monotonic: no replica took it by then, it fails
     num_sends: int = 0
-    pins_others: bool = False  # the request's other sequences go to its replica
 
 
 @dataclasses.dataclass
@@ -77,9 +76,7 @@ class Started:
 
     stream: RequestStream
     first: RequestOutput
-    # None: the replica streams on the call (no delta channels), or the first delta came
-    # ahead of the call's item on a delta link (RequestStream.first)
-    replica_id: str | None
+    replica_id: str | None  # None: the replica streams on the call (no delta channels)
     at_prefill: bool = False  # at a prefill replica, which hands it on after its first token
 
     def cancel(self) -> None:
@@ -131,7 +128,6 @@ class EngineClient:
                 params = dataclasses.replace(params, seed=params.seed + i)
             request_id = prep.request_id if count == 1 else f"{prep.request_id}-{i}"
             sequences.append(_Sequence(prep, request_id, params, trace, priority, deadline))
-        sequences[0].pins_others = count > 1
         first = await self._start(sequences[0], None)
         started = [first]
         try:
@@ -274,7 +270,7 @@ class EngineClient:
             else:  # no replica known to have room: Serve's routing waits, probes, backs off
                 stream.call = generate.remote(*args, **kwargs)
                 self.num_handle_calls += 1
-            first, at = await self._first(stream, race=not seq.pins_others)
+            first, at = await self._first(stream)
         except BaseException:  # an error answer, or the client left before the first token
             stream.close()
             if stream.call is not None:
@@ -282,17 +278,11 @@ class EngineClient:
             raise
         return Started(stream, first, at, at_prefill)
 
-    async def _first(self, stream: RequestStream, race: bool) -> tuple[RequestOutput, str | None]:
+    async def _first(self, stream: RequestStream) -> tuple[RequestOutput, str | None]:
         """The engine's first delta and the replica streaming the rest on a channel, or the
-        HTTP error its rejection or failure stands for. `race`: the first delta may be taken
-        from a delta link ahead of the call's item (RequestStream.first)."""
+        HTTP error its rejection or failure stands for."""
         try:
-            first = await stream.first(race)
-            if isinstance(first, ChannelledFirst):
-                # (Before waiting for the delta: a link lost meanwhile fails it.)
-                stream.attach(first.replica_id, first.link)
-                if first.output is None:  # it went ahead on the channel's link
-                    first = dataclasses.replace(first, output=await stream.first_on_channel())
+            first = await anext(stream.call)
         except BackPressureError as exc:
             raise self._overloaded(str(exc)) from None
         except StopAsyncIteration:
@@ -315,10 +305,8 @@ class EngineClient:
                 raise OpenAIError.server_error(503, first.message)
             raise OpenAIError(400, first.message, param=first.param)
         if isinstance(first, ChannelledFirst):
-            assert first.output is not None
+            stream.attach(first.replica_id, first.link)
             return first.output, first.replica_id
-        if stream.ahead:  # the first delta, on the link before the call's item
-            return first, None
         stream.on_call()  # an engine replica without channels streams on the call itself
         return first, None
 

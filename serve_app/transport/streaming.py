@@ -15,7 +15,7 @@ from typing import Any
 from engine.core.outputs import RequestOutput, merge_queued
 from serve_app.openai.logprobs_format import LogprobsFormatter
 from serve_app.openai.tool_calls import ToolPlan
-from serve_app.transport.delta_channel import ChannelledFirst, DeltaChannels
+from serve_app.transport.delta_channel import DeltaChannels
 from serve_app.transport.delta_link import DeltaLinkLost
 from serve_app.transport.delta_queue import DeltaQueue
 from serve_app.transport.engine_rejection import EngineRejection
@@ -73,17 +73,9 @@ class RequestStream:
         # Opened before the call starts: the channel may deliver before the call returns.
         self.queue: DeltaQueue | None = channels.open(request_id) if channels is not None else None
         self.call: Any = None  # the engine call's response stream, set by its starter
-        # The call's first item, still to come, where the first delta came ahead of it on
-        # the channel's link (`first`); `_watch` reads it.
-        self._call_first: asyncio.Future[Any] | None = None
         # Where a moved sequence's KV is (its call's MovedOut), read from the call by `_watch`.
         self._moved: asyncio.Future[Any] | None = None
         self._watcher: asyncio.Task | None = None
-
-    @property
-    def ahead(self) -> bool:
-        """Its first delta came on the channel's link ahead of the call's first item."""
-        return self._call_first is not None
 
     @property
     def channel_id(self) -> str | None:
@@ -103,35 +95,6 @@ class RequestStream:
     def close(self) -> None:
         if self.queue is not None and self.channels is not None:
             self.channels.close(self.request_id)
-        if self._call_first is not None:
-            self._call_first.cancel()
-
-    async def first(self, race: bool = True) -> Any:
-        """The call's first item; or, where the channel's delta link brings the request's
-        first delta ahead of it (the engine replica puts it there while a link of this
-        ingress reads its channel), that delta: the call's item, which then only names the
-        replica, is read later (`_watch`). `race=False`: the call's item, always (whoever
-        needs the replica at once)."""
-        if self.queue is None or self.channels is None or not race or not self.channels.linked:
-            return await anext(self.call)
-        from_call = asyncio.ensure_future(anext(self.call))
-        ahead = self.queue.first()
-        try:
-            await asyncio.wait((from_call, ahead), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            from_call.cancel()
-            raise
-        if not ahead.done():
-            return from_call.result()
-        self._call_first = from_call
-        from_call.add_done_callback(_retrieved)
-        self.channels.num_firsts_ahead += 1
-        return ahead.result()
-
-    async def first_on_channel(self) -> RequestOutput:
-        """The first delta, after the call's ChannelledFirst said it went on the channel."""
-        assert self.queue is not None
-        return await self.queue.first()
 
     async def deltas(self, first: RequestOutput) -> AsyncIterator[RequestOutput]:
         done = False
@@ -224,12 +187,8 @@ class RequestStream:
         end it had (the replica queues a request's last delta before its call ends): fail the
         request rather than leave its client waiting."""
         assert self.channels is not None and self.queue is not None
-        items = self.call if self._call_first is None else _after(self._call_first, self.call)
         try:
-            async for item in items:
-                if isinstance(item, ChannelledFirst):  # its first delta came ahead (`first`)
-                    self.attach(item.replica_id, item.link)
-                    continue
+            async for item in self.call:
                 if isinstance(item, MovedOut):
                     self._settle_moved(item.kv)
                     return  # the call stays open, holding the KV, until it is cancelled
@@ -249,15 +208,3 @@ class RequestStream:
             logger.error("request %s: its delta channel lost its end", self.request_id)
             lost = ConnectionError("the engine replica's deltas for this request were lost")
             self.channels.fail(self.request_id, lost)
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """A task whose outcome may never be awaited: its exception counts as seen."""
-    if not task.cancelled():
-        task.exception()
-
-
-async def _after(first: asyncio.Future[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield await first
-    async for item in rest:
-        yield item

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 
 from engine.core.outputs import RequestOutput, TokenLogprob
-from serve_app.transport.delta_channel import FirstDelta, Outbox, packed, unpacked
+from serve_app.transport.delta_channel import Outbox, packed, unpacked
 
 
 def _delta(request_id: str, token: int, finished: bool = False) -> RequestOutput:
@@ -59,7 +59,7 @@ def test_a_packed_batch_unpacks_to_equal_deltas_with_every_field():
     defaults = RequestOutput("b", [], "", False, None, 0, 0)
     for f in dataclasses.fields(RequestOutput):
         assert getattr(full, f.name) != getattr(defaults, f.name), f.name
-    batch = [full, _delta("b", 7), FirstDelta(full)]  # a first delta keeps its mark
+    batch = [full, _delta("b", 7)]
     assert unpacked(packed(batch)) == batch
     assert unpacked(batch) == batch  # as an engine replica of the version before sends it
 
