@@ -64,7 +64,7 @@ class DirectCalls:
         self,
         handle: DeploymentHandle,
         method: str,
-        links: Callable[[str], LinkReader | None] = lambda replica_id: None,
+        links: Callable[[str], LinkReader | None] | None = None,
     ) -> None:
         """`handle`: the engine deployment's streaming handle (its router is the one used).
         `links(replica_id)`: the delta link to that replica that takes engine calls, if
@@ -87,7 +87,9 @@ class DirectCalls:
         replica = router.pick(args, kwargs) if router is not None else None
         if router is None or replica is None:
             return None
-        link = self.links(replica.replica_id.unique_id) if _plain(kwargs) else None
+        link = None
+        if self.links is not None and _plain(kwargs):
+            link = self.links(replica.replica_id.unique_id)
         if link is not None:
             router.on_send_request(replica.replica_id)
             ended = functools.partial(router.decrement_queue_len_cache, replica.replica_id)

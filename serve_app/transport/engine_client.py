@@ -99,7 +99,7 @@ class EngineClient:
         starts; `engine` then takes each one with its KV after its first token."""
         # The method's handle, made once (a handle's attribute makes a new one each time).
         self.generate = engine.options(stream=True).generate
-        links = channels.call_link if channels is not None else lambda replica_id: None
+        links = channels.call_link if channels is not None else None
         self.direct = DirectCalls(self.generate, "generate", links)
         self.prefill_generate = self.prefill_direct = None
         if prefill is not None:

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import pickle
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -55,47 +54,38 @@ class LinkCall:
     `cancel`). `on_cancel` sends the replica the cancel; `on_end` runs once it ended."""
 
     def __init__(self, on_cancel: Callable[[], None], on_end: Callable[[], None]) -> None:
-        self._items: deque[tuple[str, Any]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        # (A few items a call, so asyncio's queue: its cost per item is not on the token path.)
+        self._items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._on_cancel = on_cancel
         self._on_end: Callable[[], None] | None = on_end
-        self.ended = False
+        self.ended = False  # its last message came, or it was cancelled
+        self._read_last = False
 
     def __aiter__(self) -> LinkCall:
         return self
 
     async def __anext__(self) -> Any:
-        while not self._items:
-            if self.ended:
-                raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        kind, payload = self._items.popleft()
+        if self._read_last:
+            raise StopAsyncIteration
+        kind, payload = await self._items.get()
         if kind == "item":
             return payload
+        self._read_last = True
         if kind == "end":
             raise StopAsyncIteration
         raise payload  # "error", or the link's end
 
     def deliver(self, kind: str, payload: Any) -> None:
         """The next message of the call (kind "lost": the link broke, payload its error)."""
-        if self.ended:
-            return
-        self._items.append((kind, payload))
-        if kind != "item":
-            self._end()
-        self._wake()
+        if not self.ended:
+            self._items.put_nowait((kind, payload))
+            if kind != "item":
+                self._end()
 
     def cancel(self) -> None:
         if not self.ended:
             self._on_cancel()
-            self._end()
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            self.deliver("end", None)
 
     def _end(self) -> None:
         self.ended = True
