@@ -1,9 +1,12 @@
 """Host memory tuning: keep freed memory in the process heap (glibc), so big per-step tensors
-reuse warm pages; and huge pages for the KV cache.
+reuse warm pages; and huge pages for the KV cache and the weights.
 
 By default glibc serves every allocation above a (dynamic, at most 32 MB) threshold with a
 fresh mmap and returns it to the kernel on free, so each step's large activations page-fault
 in again.
+
+Every decode step streams all the weights and reads the KV cache in scattered 16 KB blocks;
+on 4 KiB pages each page of either costs a TLB miss, on 2 MiB pages almost none do.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ import logging
 import math
 import mmap
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import nn
+
+from engine.cpu.packed_weights import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +53,131 @@ def keep_freed_memory_in_heap(threshold_bytes: int = 1 << 30) -> bool:
 
 
 _HUGE_PAGE = 2 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_on() -> bool:
+    """Whether advice onto transparent huge pages can take effect here (Linux, not `never`)."""
+    if getattr(mmap, "MADV_HUGEPAGE", None) is None:
+        return False
+    try:
+        return "[never]" not in _THP_MODE.read_text()
+    except OSError:
+        return False
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` zero bytes (uint8) in their own private anonymous mapping, advised onto 2 MiB
+    pages and starting on a huge-page boundary; untouched, so each page is faulted in (and
+    counted resident) only when first written. Its own mapping, because heap memory that
+    earlier tensors touched is already backed by small pages, which the advice does not
+    change."""
+    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):  # advice only: plain pages then
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    # The tensor keeps `buf` alive.
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=-address % _HUGE_PAGE)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in its own private anonymous mapping, advised onto 2 MiB pages
-    (Linux transparent huge pages in `madvise` mode; elsewhere, or when small, plain
-    `torch.zeros`). The paged KV cache is read in scattered 16 KB blocks every decode step;
-    with 4 KiB pages each block costs TLB misses. Its own mapping, because heap memory that
-    earlier tensors touched is already backed by small pages, which the advice does not
-    change."""
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < 2 * _HUGE_PAGE:
+    """A zeroed CPU tensor on huge pages (`huge_page_bytes`; where there are none, or when
+    it is small, plain `torch.zeros`): the paged KV cache."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if not huge_pages_on() or nbytes < 2 * _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # advice only: plain pages then
-        buf.madvise(advice)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    # The tensor keeps `buf` alive; it starts on a huge-page boundary.
-    t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=-address % _HUGE_PAGE)
-    return t.view(shape).zero_()  # fault the pages in now, not during the first steps
+    t = huge_page_bytes(nbytes).view(dtype).view(shape)
+    return t.zero_()  # fault the pages in now, not during the first steps
+
+
+_ALIGN = 64  # a cache line: every tensor's start stays as aligned as the allocator's
+_TRIM_EVERY_BYTES = 256 << 20
+
+
+@dataclass
+class WeightSlot:
+    """Where a model holds one CPU tensor: an nn.Parameter (replaced through `.data`, so the
+    modules sharing it share it still), a module's buffer, or a PackedWeight's data."""
+
+    owner: object
+    name: str  # the buffer's name; "data" for the others
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if isinstance(self.owner, nn.Module):
+            return self.owner._buffers[self.name]
+        return self.owner.data
+
+    def put(self, tensor: torch.Tensor) -> None:
+        if isinstance(self.owner, nn.Module):
+            self.owner._buffers[self.name] = tensor
+        else:
+            self.owner.data = tensor
+
+
+def weight_slots(model: nn.Module) -> list[WeightSlot]:
+    """Every place `model` holds a non-empty CPU tensor, each once."""
+    slots: dict[tuple[int, str], WeightSlot] = {}
+    for module in model.modules():
+        owners: list[tuple[object, str]] = [(p, "data") for p in module._parameters.values()]
+        owners += [(module, name) for name in module._buffers]
+        owners += [(v, "data") for v in vars(module).values() if isinstance(v, PackedWeight)]
+        for owner, name in owners:
+            if owner is None or (id(owner), name) in slots:
+                continue
+            slot = WeightSlot(owner, name)
+            t = slot.tensor
+            if t is not None and t.device.type == "cpu" and t.untyped_storage().nbytes():
+                slots[(id(owner), name)] = slot
+    return list(slots.values())
+
+
+def weights_onto_huge_pages(model: nn.Module) -> int:
+    """Move `model`'s CPU tensors (parameters, buffers, packed GEMM weights) into one mapping
+    on huge pages; returns the bytes moved (0 where huge pages are off). Tensors that shared
+    a storage share one after (tied embeddings, views), each at its old offset and strides.
+    The old storages go back to the kernel as they are left (malloc_trim every few hundred
+    MB): resident memory grows by at most that much while they move."""
+    if not huge_pages_on():
+        return 0
+    by_storage: dict[int, list[WeightSlot]] = {}
+    for slot in weight_slots(model):
+        by_storage.setdefault(slot.tensor.untyped_storage().data_ptr(), []).append(slot)
+    sizes = {key: group[0].tensor.untyped_storage().nbytes() for key, group in by_storage.items()}
+    total = sum(_aligned(n) for n in sizes.values())
+    if total == 0:
+        return 0
+    arena = huge_page_bytes(total)
+    start = since_trim = 0
+    for key, group in by_storage.items():
+        nbytes = sizes[key]
+        old = torch.empty(0, dtype=torch.uint8).set_(group[0].tensor.untyped_storage())
+        arena[start : start + nbytes].copy_(old)
+        at = arena.storage_offset() + start  # bytes from the mapping's start
+        for slot in group:
+            t = slot.tensor
+            offset = at // t.element_size() + t.storage_offset()
+            slot.put(
+                torch.empty(0, dtype=t.dtype).set_(
+                    arena.untyped_storage(), offset, t.size(), t.stride()
+                )
+            )
+        del old, t  # the last references to the old storage
+        start += _aligned(nbytes)
+        since_trim += nbytes
+        if since_trim >= _TRIM_EVERY_BYTES:
+            since_trim = 0
+            _trim_heap()
+    _trim_heap()
+    return total
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _trim_heap() -> None:
+    """Freed heap memory back to the kernel (glibc's malloc_trim; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,7 @@ from engine.core.outputs import (
     SchedulerOutput,
 )
 from engine.core.sequence_kv import SequenceKV
-from engine.cpu.host_memory import keep_freed_memory_in_heap
+from engine.cpu.host_memory import keep_freed_memory_in_heap, weights_onto_huge_pages
 from engine.cpu.packed_weights import weight_bytes
 from engine.grammar_bank import GrammarBank
 from engine.lora.slot_weights import LoRASlotWeights
@@ -121,6 +122,14 @@ class TorchModelRunner:
         use_kernels(self.model, self.device)
         use_moe_kernels(self.model, self.device)
         self.model.pack_weights()
+        if self.device.type == "cpu":
+            started = time.perf_counter()
+            if moved := weights_onto_huge_pages(self.model):
+                logger.info(
+                    "weights on huge pages: %d MiB in %.1f s",
+                    moved >> 20,
+                    time.perf_counter() - started,
+                )
         self.lora = None  # LoRA adapters' device slots
         if config.lora.enabled:
             shard = self.tp.shard if self.tp else None
