@@ -25,8 +25,8 @@ import torch
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
-from engine.cpu.host_memory import huge_pages_on, weight_slots
 from engine.llm_engine import LLMEngine
+from engine.model.weight_slots import weight_slots
 from loadtests.cpu_accounting import host_info
 from loadtests.workload import resolve_model
 
@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
-    if not huge_pages_on():
-        sys.exit("transparent huge pages are off here (never): nothing to compare")
     config = EngineConfig(
         model=resolve_model(opts.model),
         num_threads=opts.threads,
@@ -86,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine = LLMEngine(config)
     slots = weight_slots(engine.runner.model)
     huge = [slot.tensor for slot in slots]
+    if len({t.untyped_storage().data_ptr() for t in huge}) != 1:
+        sys.exit("the weights are not on huge pages here (transparent huge pages never?)")
     small = [t.clone() for t in huge]  # the heap: 4 KiB pages (glibc's threshold is raised)
     vocab = engine.runner.spec.vocab_size
     rng = random.Random(0)
