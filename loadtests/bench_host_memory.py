@@ -123,12 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, indent=2))
     else:
         print(f"{opts.model}, {opts.rounds} rounds, step medians (ms):")
+        label = {"prefill": "prefill 128", "decode": "decode b1", "batch": f"decode b{opts.batch}"}
         for name in medians["huge"]:
-            label = {
-                "prefill": "prefill 128",
-                "decode": "decode b1",
-                "batch": f"decode b{opts.batch}",
-            }
             print(
                 f"  {label[name]:12} huge pages {medians['huge'][name]:8.2f}   4 KiB pages"
                 f" {medians['small'][name]:8.2f}   ratio {result['huge_over_small'][name]:.3f}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import mmap
@@ -32,18 +33,29 @@ _M_MMAP_THRESHOLD = -3
 _done = False
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library, where it is glibc on Linux (mallopt, malloc_trim); else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_freed_memory_in_heap(threshold_bytes: int = 1 << 30) -> bool:
     """Raise glibc's mmap and trim thresholds; returns False where that is not possible."""
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold_bytes) == 1 and ok
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     _done = ok
     if not ok:
@@ -139,6 +151,7 @@ def _aligned(nbytes: int) -> int:
 
 def _trim_heap() -> None:
     """Freed heap memory back to the kernel (glibc's malloc_trim; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    libc = _glibc()
+    if libc is not None:
+        with contextlib.suppress(AttributeError):
+            libc.malloc_trim(0)
