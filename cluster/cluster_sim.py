@@ -325,7 +325,7 @@ class ClusterSimulator:
         ranked = sorted(candidates, key=_load)
         if routing.kv_aware:
             keys = prompt_block_hashes(prompt, self.config.replica.cache.block_size)
-            ranks = kv_ranked(ranked, keys, _load, _held_blocks, routing.kv_weight)
+            ranks = kv_ranked(ranked, keys, _load, _held_blocks, routing.kv_weight, _cache_fill)
         else:
             key = prefix_key(prompt, routing.prefix_tokens)
             ranks = affinity_ranked(ranked, _name, key, _load, routing.max_imbalance)
@@ -392,6 +392,10 @@ class ClusterSimulator:
 def _load(member: _Member) -> float:
     """What the router weighs: outstanding requests over the controller's routing weight."""
     return weighted_load(member.replica.num_requests, member.routing_weight)
+
+
+def _cache_fill(member: _Member) -> float:
+    return member.replica.scheduler.kv_cache.pool.cache_fill()
 
 
 def _name(member: _Member) -> str:

@@ -6,7 +6,8 @@
   replica joining or leaving moves only its own share of prefixes; it yields to load when the
   preferred replica is `max_imbalance` requests busier than the least loaded;
 - KV-aware: the replica whose load less `weight` times the share of the prompt's full blocks
-  it holds as a prefix (engine/core/block_hashes.py's keys) is lowest.
+  it holds as a prefix (engine/core/block_hashes.py's keys), plus `weight` times the share
+  of its cache that cached blocks fill, is lowest.
 """
 
 from __future__ import annotations
@@ -74,14 +75,22 @@ def kv_ranked(
     load: Callable[[R], float],
     held: Callable[[R], Container[int]],
     weight: float,
+    fill: Callable[[R], float] | None = None,
 ) -> list[list[R]]:
     """Ranks of `ranked` (least loaded first) for a prompt whose full blocks have `keys`: the
-    replica with the best score, then the rest."""
+    replica with the best score, then the rest. A replica's score is its load less `weight`
+    times the share of the prompt it holds as a prefix, plus `weight` times the share of its
+    cache that cached blocks fill (`fill`): what the prompt would write evicts others' there,
+    and not on a replica with room. Without the second term, the first replica to cache a
+    prefix every conversation shares (a system prompt) would take every new conversation
+    while its load stayed under `weight`, more than its cache holds; where every cache is
+    full (a long-running app's), it is the same for all and the first decides."""
     if not keys:
         return [ranked]
 
     def score(replica: R) -> float:
-        return load(replica) - weight * cached_prefix(keys, held(replica)) / len(keys)
+        share = cached_prefix(keys, held(replica)) / len(keys)
+        return load(replica) - weight * (share - (fill(replica) if fill is not None else 0.0))
 
     best = min(ranked, key=score)  # the first of equals: the least loaded
     return [[best], [r for r in ranked if r is not best]]

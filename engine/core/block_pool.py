@@ -52,6 +52,10 @@ class BlockPool:
         """Fraction of blocks in use, in [0, 1]."""
         return 1.0 - (len(self._free) - self.held) / self.num_blocks
 
+    def cache_fill(self) -> float:
+        """Fraction of blocks holding a cached prompt block (in use or not), in [0, 1]."""
+        return len(self.cached) / self.num_blocks
+
     def hold(self, n: int) -> bool:
         """Count `n` free blocks as used without choosing them (the simulator's decode
         cohort: blocks whose ids nothing reads yet); False, holding none, if too few are

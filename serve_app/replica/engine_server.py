@@ -355,6 +355,7 @@ class EngineServer:
         if self.args.routing.kv_aware:
             held = self.engine.between_steps(lambda e: e.cached_blocks(_PUBLISHED_BLOCKS))
             stats["kv_blocks"] = await held
+            stats["kv_cache_fill"] = self.engine.engine.scheduler.kv_cache.pool.cache_fill()
         return stats
 
     def _held_loras(self) -> list[str]:  # the LoRA adapters in this replica's slots

@@ -8,8 +8,10 @@ replica (below 1 when its latency is over the deployment's SLA target). Prefix a
 rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids
 (cluster/prefix_routing.py, which the simulator applies too). With `kv_aware` instead, a
 request goes to the replica whose load less `kv_weight` times the share of the prompt's full
-blocks its prefix cache holds is lowest (the replicas publish their blocks' keys in their
-routing stats every second). A request with a LoRA adapter
+blocks its prefix cache holds, plus `kv_weight` times the share of its cache that cached
+blocks fill, is lowest (the replicas publish their blocks' keys and that share in their
+routing stats every second; the keys of the prompts sent to a replica count as held there
+for a few seconds before it does). A request with a LoRA adapter
 goes first to the least loaded replica that holds the adapter in a slot (its
 `record_routing_stats()` lists them), unless that one is busier than the least loaded by over
 `max_imbalance`; elsewhere the replica loads it. A sequence that comes with its KV (moved
@@ -39,7 +41,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from cluster.control import weighted_load
 from cluster.prefix_routing import affinity_ranked, kv_ranked, prefix_key
 from engine.core.block_hashes import prompt_block_hashes
-from serve_app.transport.cached_prefix import PublishedBlocks
+from serve_app.transport.cached_prefix import Holding, PublishedBlocks
 
 R = TypeVar("R")
 
@@ -98,7 +100,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         ranks = self.ranked(self.select_available_replicas(), args, kwargs)
         return ranks[0][0] if ranks else None
 
-    def _held_blocks(self, replica: RunningReplica) -> frozenset[int]:
+    def _held_blocks(self, replica: RunningReplica) -> Holding:
         stats = replica.routing_stats or {}
         return self.published.held(replica.replica_id.unique_id, stats.get("kv_blocks"))
 
@@ -139,7 +141,12 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             if len(self.published) > len(self.curr_replicas):  # some were removed
                 self.published.forget_others({r.unique_id for r in self.curr_replicas})
             keys = prompt_block_hashes(prompt, self.block_size)
-            return kv_ranked(ranked, keys, self.replica_load, self._held_blocks, self.kv_weight)
+            ranks = kv_ranked(
+                ranked, keys, self.replica_load, self._held_blocks, self.kv_weight, _cache_fill
+            )
+            if keys:  # the first choice: where the prompt goes unless that replica refuses it
+                self.published.sent(ranks[0][0].replica_id.unique_id, keys)
+            return ranks
         if self.prefix_affinity and prompt and len(ranked) > 1:
             key = prefix_key(prompt, self.prefix_tokens)
             return affinity_ranked(ranked, _unique_id, key, self.replica_load, self.max_imbalance)
@@ -178,6 +185,10 @@ def _unique_id(replica: RunningReplica) -> str:
 
 def _free_blocks(replica: RunningReplica) -> int | None:
     return (replica.routing_stats or {}).get("kv_free_blocks")
+
+
+def _cache_fill(replica: RunningReplica) -> float:
+    return (replica.routing_stats or {}).get("kv_cache_fill", 0.0)
 
 
 def _held_adapters(replica: RunningReplica) -> list[str]:
