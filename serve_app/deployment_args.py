@@ -91,7 +91,8 @@ class RoutingArgs(_Strict):
         False,
         description="Route by what each replica holds: the replicas publish the keys of the "
         "prompt blocks in their KV cache every second, and each replica's outstanding "
-        "requests count less by kv_weight times the share of the prompt it holds (in place of "
+        "requests count less by kv_weight times the share of the prompt it holds and more by "
+        "kv_weight times the share of its cache that cached blocks fill (in place of "
         "prefix_affinity's hash of the first prefix_tokens tokens; adapter requests are routed "
         "by adapter).",
     )
