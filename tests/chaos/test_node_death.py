@@ -5,9 +5,11 @@ the workers), the node of the cluster controller and of one engine replica remov
 greedy requests run loses none of them: all complete with an undisturbed run's texts, Serve
 brings the replica back on the surviving node, its ranks again on its node, every KV block
 ends free, and /metrics and /v1/cluster answer again. (Plain replicas lose their node in
-tests/chaos/test_netns_node.py.) Then the tuner's trials run as Ray tasks on two fresh
-worker nodes, one lost mid-search: the trial it was running runs again elsewhere, and the
-search's trials equal the same search's run in one process."""
+tests/chaos/test_netns_node.py.) Then the tuner's trials run as Ray tasks with two fresh
+worker nodes joined, one of them lost mid-search after it landed a trial: the trial it was
+running runs again elsewhere, and the search's trials equal the same search's run in one
+process. (Ray spreads the trials over every node with a CPU free, the head and the engines'
+surviving node among them, so which other node ran one is not asserted.)"""
 
 from __future__ import annotations
 
@@ -32,4 +34,4 @@ def test_a_dead_node_loses_no_accepted_request():
     assert result["metrics_after_s"] is not None and result["cluster_after_s"] is not None, result
     tune = result["tune"]
     assert tune["complete"] and tune["trials"] == 7 and tune["equal"] and tune["cli_equal"], tune
-    assert tune["victim_ran"] >= 1 and tune["survivor_ran"] >= 1 and tune["rerun"] >= 1, tune
+    assert tune["victim_ran"] >= 1 and tune["rerun"] >= 1 and tune["nodes"] >= 2, tune
