@@ -12,7 +12,8 @@
  * numbers do not depend on what else is in the batch (and the AVX2 and AVX-512 builds give
  * the same numbers: one FMA per k in each lane).
  *
- * AVX2 + FMA: the shared 6 x 16 tile (tile_6x16.h). AVX-512: an 8 x 32 tile
+ * AVX2 + FMA: the shared 6 x 16 tile (tile_6x16.h), and up to 8 tokens a GEMV that
+ * transposes 8 x 8 pieces of W in registers. AVX-512: an 8 x 32 tile
  * from 17 tokens (16 zmm accumulators: two FMA pipes of four cycles' latency need 8 chains),
  * a 16 x 16 tile from 9 to 16, and up to 8 a GEMV that transposes 16 x 16 pieces of W in
  * registers; masked loads and stores for a panel's last columns, weight rows prefetched.
@@ -379,11 +380,92 @@ static void tile_1x16_fm(const float *restrict w, int64_t ldw, int64_t kc,
     tile_1x16(w, kc, xp, out, n, add);
 }
 
+/* r[i] = W's row i at 8 values of k -> r[kk] = W's 8 rows at k + kk (lane i = row i). */
+static inline __attribute__((always_inline)) void transpose_8x8(__m256 r[8])
+{
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    __m256 u[8];
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* An 8-row block of W against at most NT (<= 8) columns of a 16-wide packed panel: W's 8 x 8
+ * pieces transposed in registers, so one FMA serves 8 rows of one column where the 6 x 16
+ * tile's serves one row of 16 mostly padded columns. Each output is still one FMA per k in
+ * k's order from out (add) or zero: the tile's numbers. Only the n real columns are read
+ * from and written to out. */
+#define DEFINE_GEMV8(NAME, NT)                                                                 \
+    static void NAME(const float *restrict w, int64_t ldw, int64_t kc,                         \
+                     const float *restrict xp, float *restrict out, int64_t ldo, int64_t n,    \
+                     int add)                                                                  \
+    {                                                                                          \
+        __m256 acc[NT];                                                                        \
+        for (int j = 0; j < NT; ++j) {                                                         \
+            float col[8] = {0};                                                                \
+            if (add && j < n)                                                                  \
+                for (int i = 0; i < 8; ++i) col[i] = out[i * ldo + j];                         \
+            acc[j] = _mm256_loadu_ps(col);                                                     \
+        }                                                                                      \
+        for (int64_t k = 0; k < kc; k += 8) {                                                  \
+            const int64_t kr = kc - k < 8 ? kc - k : 8;                                        \
+            __m256 r[8];                                                                       \
+            if (kr == 8) {                                                                     \
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + i * ldw + k);           \
+            } else { /* W's last values of k: the lanes past them are not loaded */            \
+                const __m256i m = _mm256_cmpgt_epi32(                                          \
+                    _mm256_set1_epi32((int)kr), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));    \
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_maskload_ps(w + i * ldw + k, m);     \
+            }                                                                                  \
+            transpose_8x8(r);                                                                  \
+            for (int64_t kk = 0; kk < kr; ++kk)                                                \
+                for (int j = 0; j < NT; ++j)                                                   \
+                    acc[j] = _mm256_fmadd_ps(r[kk], _mm256_broadcast_ss(xp + (k + kk) * NR + j), \
+                                             acc[j]);                                          \
+        }                                                                                      \
+        for (int j = 0; j < NT && j < n; ++j) {                                                \
+            float col[8];                                                                      \
+            _mm256_storeu_ps(col, acc[j]);                                                     \
+            for (int i = 0; i < 8; ++i) out[i * ldo + j] = col[i];                             \
+        }                                                                                      \
+    }
+
+DEFINE_GEMV8(gemv_8x1, 1)
+DEFINE_GEMV8(gemv_8x2, 2)
+DEFINE_GEMV8(gemv_8x4, 4)
+DEFINE_GEMV8(gemv_8x8, 8)
+
+static void gemv_8(const float *restrict w, int64_t ldw, int64_t kc, const float *restrict xp,
+                   float *restrict out, int64_t ldo, int64_t n, int add)
+{
+    if (n <= 1) gemv_8x1(w, ldw, kc, xp, out, ldo, n, add);
+    else if (n <= 2) gemv_8x2(w, ldw, kc, xp, out, ldo, n, add);
+    else if (n <= 4) gemv_8x4(w, ldw, kc, xp, out, ldo, n, add);
+    else gemv_8x8(w, ldw, kc, xp, out, ldo, n, add);
+}
+
+/* At most this many tokens take the transposing GEMV. */
+#ifndef GEMV_MAX_TOKENS
+#define GEMV_MAX_TOKENS 8
+#endif
+
 static struct gemm_variant pick_variant(int64_t B, int w16)
 {
-    (void)B, (void)w16; /* no W16 kernels in this build: gemm_fm_w16 says so */
-    const struct gemm_variant v = {MR, NR, tile_6x16_fm, tile_1x16_fm};
-    return v;
+    (void)w16; /* no W16 kernels in this build: gemm_fm_w16 says so */
+    const struct gemm_variant tile = {MR, NR, tile_6x16_fm, tile_1x16_fm};
+    const struct gemm_variant gemv = {8, NR, gemv_8, tile_1x16_fm};
+    return B <= GEMV_MAX_TOKENS ? gemv : tile;
 }
 
 static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t cols[2])
@@ -392,7 +474,8 @@ static int pick_tails(int64_t B, int w16, struct gemm_variant tail[2], int64_t c
     return 0;
 }
 
-#define SUPER_ROWS MR
+/* Rows per row block of the grains: a multiple of every variant's mr (6 and 8). */
+#define SUPER_ROWS 24
 
 int transpose_fm(const float *src, int64_t R, int64_t C, float *dst, int num_threads)
 {
