@@ -156,8 +156,14 @@ def test_native_gemm_gives_each_token_the_same_numbers_whatever_the_batch() -> N
     whole = ops.mm_fm(weight, x)
     # Widths past a multiple of 32 by 1-8 take a GEMV tail panel, by 9-16 a narrow one, by
     # 17-24 both, by 25-31 a padded wide one (17-31 tokens alone too); both weight layouts.
+    # Up to 8 tokens alone each build's GEMV (1, 2, 4 and 8 columns at once, and between).
     slices = (
         (0, 1),
+        (5, 7),
+        (9, 12),
+        (60, 64),
+        (20, 27),
+        (40, 48),
         (3, 20),
         (17, 150),
         (150, 300),
