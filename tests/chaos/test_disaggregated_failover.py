@@ -44,6 +44,9 @@ def pd_app(serve_cluster: ServeCluster) -> Iterator[str]:
         serve_cluster.model,
         engine_replicas={"num_replicas": 2, "num_cpus": 0},
         disaggregation={"prefill_replicas": {"num_replicas": 2, "num_cpus": 0}},
+        # By load, so each prefill replica takes its share of PROMPTS: by their prefixes'
+        # hash all eight could go to one, and a victim given none would be sent nothing.
+        routing={"prefix_affinity": False},
     )
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield APP
