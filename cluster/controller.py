@@ -29,6 +29,7 @@ from typing import Any
 from ray import serve
 
 from cluster import live_settings
+from cluster.app_tables import Table
 from cluster.batching import policy_factory
 from cluster.control import ClusterControl, ControlDecision, ReplicaStats
 from cluster.tuning_loop import TuningLoop
@@ -47,7 +48,7 @@ class ClusterController:
         engine_deployment: str,
         deployed: str,
         tuning: dict[str, Any] | None = None,
-        traffic_trace: Any = None,
+        traffic_trace: Table | None = None,
     ) -> None:
         """`batching`: deploy.yaml's `batching:` as deployed; `engine_deployment`: the name
         of the deployment whose replicas report here; `deployed`: the fingerprint of the

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from cluster import live_settings
+from cluster.app_tables import Table
 from cluster.live_settings import LiveSettings
 from cluster.request_records import RequestRecord, Slo
 from cluster.tune.auto_tuner import AutoTuner, AutoTuning, TuningChange
@@ -111,9 +112,9 @@ def _step(
 
 class TuningLoop:
     """One model's self-tuning: `plan` from serve_app.tuning_args.tuning_plan, `trace` the
-    app's TrafficTrace handle, `record_key` where the model's applied settings are kept."""
+    app's TrafficTrace table, `record_key` where the model's applied settings are kept."""
 
-    def __init__(self, plan: dict[str, Any], trace: Any, record_key: str) -> None:
+    def __init__(self, plan: dict[str, Any], trace: Table, record_key: str) -> None:
         self.plan, self.trace, self.record_key = plan, trace, record_key
         tuning = plan["tuning"]
         self.auto = AutoTuning(

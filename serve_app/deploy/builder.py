@@ -11,6 +11,7 @@ from ray import cloudpickle
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
+from cluster.app_tables import AppTables, Table
 from cluster.controller import ClusterController
 from cluster.live_settings import fingerprint
 from serve_app.config import AppArgs
@@ -55,17 +56,17 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         "health_check_timeout_s": app_args.health.check_timeout_s,
     }
     # Engine metrics for /metrics go through their own board, not the controllers.
-    board = EngineMetricsBoard.options(**control).bind(app_args.controller.stale_after_s)
-    store = None
+    tables: dict[str, object] = {"metrics": EngineMetricsBoard(app_args.controller.stale_after_s)}
     if app_args.api.stored_responses:  # the Responses API's, outliving any ingress replica
-        store = ResponseStore.options(**control).bind(
+        tables["responses"] = ResponseStore(
             app_args.api.stored_responses, app_args.api.stored_response_ttl_s
         )
-    trace = None
     if app_args.trace.enabled:  # the app's own traffic, from every ingress replica
-        trace = TrafficTrace.options(**control).bind(
-            app_args.trace.max_rows, app_args.trace.max_age_s
-        )
+        tables["trace"] = TrafficTrace(app_args.trace.max_rows, app_args.trace.max_age_s)
+    shared = AppTables.options(**control).bind(tables)
+    board = Table(shared, "metrics")
+    store = Table(shared, "responses") if "responses" in tables else None
+    trace = Table(shared, "trace") if "trace" in tables else None
     cpus = RayCpus.found()
     engines, controllers, lora_boards = [], [], []
     prefill_engines: list[Application | None] = []
@@ -143,7 +144,7 @@ def deployment_name(base: str, model_name: str | None) -> str:
 
 
 def _prefill_engine(
-    app_args: AppArgs, named: str | None, board: Application, cpus: RayCpus, num_models: int
+    app_args: AppArgs, named: str | None, board: Table, cpus: RayCpus, num_models: int
 ) -> Application | None:
     """With `disaggregation`, one model's prefill pool: engine replicas of the same build
     that hand every sequence on after its first token, with their own engine knobs and
@@ -159,7 +160,7 @@ def _engine(
     app_args: AppArgs,
     named: str | None,
     controller: Application | None,
-    board: Application,
+    board: Table,
     cpus: RayCpus,
     num_models: int,
     name: str | None = None,

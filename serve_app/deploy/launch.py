@@ -19,6 +19,7 @@ import urllib.request
 import yaml
 
 from serve_app.config import AppArgs
+from serve_app.deploy.local_cluster import LOCAL_CLUSTER_ENV
 
 
 def _examples(base: str, models: list[str], proxy: str) -> str:
@@ -74,16 +75,10 @@ def main() -> int:
     port = http.get("port", 8000)
     proxy = f"http://{host}:{port}{prefix}"
 
-    env = dict(os.environ)
-    env.setdefault("RAY_worker_niceness", "0")  # Ray's default nice 15 starves the engine
+    env = LOCAL_CLUSTER_ENV | dict(os.environ)
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(512 << 20))
-    # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
-    env.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
-    # Serve's direct ingress: the ingress replica also serves HTTP on a port of its own, the
-    # next ones after the proxy's, one Ray hop less per streamed chunk (docs/serving.md).
-    env.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    # Serve's direct ingress serves HTTP on the ports after the proxy's (docs/serving.md).
     env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 1))
-    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")  # no load balancer
     first_direct = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
     direct = [f"http://{host}:{p}{prefix}" for p in range(first_direct, first_direct + 8)]
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"

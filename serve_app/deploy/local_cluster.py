@@ -13,6 +13,28 @@ _BIND_ATTEMPTS = 3
 # serve.run takes it per app (serve.start's covers only the controller and proxies).
 APP_LOGGING_CONFIG = {"enable_access_log": False}
 
+# The environment a local cluster starts with (`make serve` and start_local_serve; what is
+# already set wins), which its processes inherit.
+LOCAL_CLUSTER_ENV = {
+    # Ray's default worker nice level (15) starves replicas next to anything else.
+    "RAY_worker_niceness": "0",
+    # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
+    "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
+    # Serve's direct ingress: each ingress replica also serves HTTP on a port of its own
+    # (ingress_url), one Ray hop less per chunk than through the proxy, which keeps working.
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    # Its replicas wait this long for load balancers before stopping; there are none here.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    # Serve's controller looks over the cluster every 0.1 s by default, the largest share of
+    # an idle app's CPU, which on a CPU host the engine's steps lose: every 0.25 s halves it,
+    # for at most 0.15 s more before a deploy, a health check or an autoscaling decision
+    # takes effect (docs/serving.md, "CPU hosts").
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25",
+    # Serve's replicas and handles hand their own metrics to Ray's every 0.1 s by default;
+    # each second is as often as a scrape reads them.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,15 +45,8 @@ def free_port() -> int:
 def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> int:
     """Start Ray (4 logical CPUs, no dashboard, 256 MB object store; `num_gpus`, or as many
     as Ray finds) and Serve's HTTP proxy on a free localhost port; returns the port."""
-    # Ray's default worker nice level (15) starves replicas next to anything else.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    # A hung replica never finishes a graceful stop: replace it at once (docs/serving.md).
-    os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
-    # Serve's direct ingress: each ingress replica also serves HTTP on a port of its own
-    # (ingress_url), one Ray hop less per chunk than through the proxy, which keeps working.
-    os.environ.setdefault("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
-    # Its replicas wait this long for load balancers before stopping; there are none here.
-    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+    for name, value in LOCAL_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
 

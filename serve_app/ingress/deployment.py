@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.app_tables import Table
 from serve_app.config import AppArgs
 from serve_app.ingress import ops_routes
 from serve_app.ingress.edge_routes import EdgeState, install_edge
@@ -50,10 +51,10 @@ class OpenAIIngress:
         engines: list[DeploymentHandle],
         models: list[dict[str, Any]],
         controllers: list[DeploymentHandle | None],
-        metrics_board: DeploymentHandle | None,
+        metrics_board: Table | None,
         lora_boards: list[DeploymentHandle | None],
-        response_store: DeploymentHandle | None = None,
-        traffic_trace: DeploymentHandle | None = None,
+        response_store: Table | None = None,
+        traffic_trace: Table | None = None,
         prefill_engines: list[DeploymentHandle | None] | None = None,
     ) -> None:
         """One engine deployment, args, controller, LoRA board and prefill pool (with

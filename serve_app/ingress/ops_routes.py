@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
-from ray.serve.handle import DeploymentHandle
 
+from cluster.app_tables import Table
 from serve_app.ingress.served_models import ServedModel, ServedModels
 from serve_app.observability import tuning_metrics
 from serve_app.observability.telemetry import IngressMetrics
@@ -33,7 +33,7 @@ _TRACE_TIMEOUT_S = 60.0
 class OpsState:
     models: ServedModels
     metrics: IngressMetrics
-    metrics_board: DeploymentHandle | None
+    metrics_board: Table | None
     health: HealthArgs
     report_timeout_s: float  # controller.report_timeout_s
     trace: TraceRecorder | None = None  # the app's traffic trace (deploy.yaml `trace:`)

@@ -1,19 +1,16 @@
 """EngineMetricsBoard: the latest metrics of every engine replica of an app (of each model
-it serves), for the ingress's `/metrics`. Engine replicas push to it on their own period
-whether a cluster controller runs or not, so engine metrics do not depend on the controller
-(disabled, or restarting)."""
+it serves), for the ingress's `/metrics`; a table of the app's AppTables (cluster/app_tables.py).
+Engine replicas push to it on their own period whether a cluster controller runs or not, so
+engine metrics do not depend on the controller (disabled, or restarting)."""
 
 from __future__ import annotations
 
 import time
 
-from ray import serve
-
 from cluster.control import ControlDecision, ReplicaStats
 from serve_app.observability.telemetry import render_engine_metrics
 
 
-@serve.deployment(name="EngineMetricsBoard", num_replicas=1, max_ongoing_requests=1024)
 class EngineMetricsBoard:
     def __init__(self, stale_after_s: float) -> None:
         self.stale_after_s = stale_after_s

@@ -10,15 +10,14 @@ import asyncio
 import contextlib
 import logging
 
-from ray.serve.handle import DeploymentHandle
-
+from cluster.app_tables import Table
 from serve_app.observability.traffic_trace import Row
 
 logger = logging.getLogger(__name__)
 
 
 class TraceRecorder:
-    def __init__(self, trace: DeploymentHandle, flush_s: float, max_pending: int = 10_000) -> None:
+    def __init__(self, trace: Table, flush_s: float, max_pending: int = 10_000) -> None:
         self.trace, self.flush_s, self.max_pending = trace, flush_s, max_pending
         self.num_dropped = 0
         self._pending: list[Row] = []

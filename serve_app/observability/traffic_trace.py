@@ -1,8 +1,8 @@
 """TrafficTrace: an app's record of its own traffic, one row per request that ended or was
 turned away (arrival, model, adapter, token counts, finish reason, latencies; never text),
-from every ingress replica, bounded by count and age (deploy.yaml `trace:`). GET
-/v1/cluster/trace answers it as the tuner's JSONL (cluster/trace_file.py), which `python -m
-cluster.tune --from-url` reads.
+from every ingress replica, bounded by count and age (deploy.yaml `trace:`); a table of the
+app's AppTables (cluster/app_tables.py). GET /v1/cluster/trace answers it as the tuner's JSONL
+(cluster/trace_file.py), which `python -m cluster.tune --from-url` reads.
 
 A row is a plain dict: `request_id`, `arrival_unix` (wall-clock seconds), `model`,
 `adapter`, `prompt_len`, `output_len`, `cached_prompt_len`, `finish_reason`, `ttft_s`,
@@ -19,12 +19,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from ray import serve
-
 Row = dict[str, Any]
 
 
-@serve.deployment(name="TrafficTrace", num_replicas=1, max_ongoing_requests=1024)
 class TrafficTrace:
     def __init__(self, max_rows: int, max_age_s: float) -> None:
         self.max_rows, self.max_age_s = max_rows, max_age_s

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster import autoscale
+from cluster.app_tables import Table
 from cluster.batching import DecodeWindow
 from cluster.control import ControlDecision, LatencySummary, PeriodLatencies, ReplicaStats
 from cluster.engine_metrics import EngineMetrics
@@ -52,7 +53,7 @@ class EngineServer:
         self,
         args: dict[str, Any] | AppArgs,
         controller: DeploymentHandle | None = None,
-        metrics_board: DeploymentHandle | None = None,
+        metrics_board: Table | None = None,
         prefill_only: bool = False,
     ) -> None:
         """`prefill_only`: a prefill pool's replica (`disaggregation`): each sequence moves
@@ -326,7 +327,7 @@ class EngineServer:
             self.external.set(decision.limits)
             self.num_reports_ok += 1
 
-    async def _metrics_loop(self, board: DeploymentHandle) -> None:
+    async def _metrics_loop(self, board: Table) -> None:
         """Push this replica's metrics to the board every report interval, controller or not."""
         control, name = self.args.controller, self.args.model_name
         while True:

@@ -22,7 +22,7 @@ class HealthArgs(BaseModel):
         2.0,
         gt=0.0,
         description="How often Serve checks each engine replica's health, and the control "
-        "plane's actors' (the cluster controller, the metrics and LoRA boards, the stores).",
+        "plane's actors' (the cluster controller, the LoRA board, the app's tables).",
     )
     check_timeout_s: float = Field(
         10.0,

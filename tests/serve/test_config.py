@@ -228,8 +228,7 @@ def test_the_control_plane_is_health_checked_as_the_engines_are(tiny_model: str)
     ingress = build_app(args)._bound_deployment
     bound = _bound_deployments(ingress)
     names = {d.name for d in bound}
-    control = {"ClusterController", "EngineMetricsBoard", "LoRABoard", "ResponseStore"}
-    assert control | {"TrafficTrace", "EngineServer"} == names, names
+    assert {"ClusterController", "AppTables", "LoRABoard", "EngineServer"} == names, names
     for deployment in bound:
         config = deployment._deployment_config
         assert (config.health_check_period_s, config.health_check_timeout_s) == (1.5, 4), (
@@ -262,10 +261,28 @@ def test_building_the_app_leaves_cloudpickle_registry_alone(tiny_model: str, mon
 def _bound_deployments(ingress) -> list:
     """Every deployment a built app's ingress is bound to (its arguments hold each model's
     deployments in lists, the app-wide ones alone)."""
+    from cluster.app_tables import Table
+
     apps = []
     for arg in ingress.init_args:
         apps += arg if isinstance(arg, list) else [arg]
+    apps = [app.handle if isinstance(app, Table) else app for app in apps]
     return [app._bound_deployment for app in apps if hasattr(app, "_bound_deployment")]
+
+
+def test_the_app_wide_tables_share_one_actor(tiny_model: str):
+    """The metrics board, the traffic trace and the response store are tables of one
+    AppTables deployment (one idle actor instead of three), each reached by its name."""
+    from cluster.app_tables import Table
+    from serve_app import build_app
+
+    args = dict(deploy_yaml_args(), model=tiny_model)
+    args["trace"], args["api"] = {"enabled": True}, {"stored_responses": 10}
+    tables = [a for a in build_app(args)._bound_deployment.init_args if isinstance(a, Table)]
+    assert sorted(t.name for t in tables) == ["metrics", "responses", "trace"]
+    assert len({id(t.handle) for t in tables}) == 1
+    (held,) = tables[0].handle._bound_deployment.init_args
+    assert sorted(held) == ["metrics", "responses", "trace"]
 
 
 def _engine_deployments(ingress) -> list:

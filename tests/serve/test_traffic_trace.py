@@ -94,7 +94,7 @@ def test_a_bad_bound_is_a_400_naming_it(serve_cluster):
 
 
 def test_the_trace_keeps_its_bounds_and_answers_in_arrival_order():
-    trace = TrafficTrace.func_or_class(max_rows=3, max_age_s=60.0)
+    trace = TrafficTrace(max_rows=3, max_age_s=60.0)
     now = time.time()
 
     def row(i: int, arrival: float) -> dict:

@@ -59,7 +59,7 @@ class Turn:
 
 class ResponsesService:
     def __init__(self, path: RequestPath, store) -> None:
-        """`store`: the ResponseStore's handle (None: nothing is stored)."""
+        """`store`: the app's ResponseStore table (None: nothing is stored)."""
         self.path = path
         self.store = store
         self._background: dict[str, asyncio.Task] = {}

@@ -1,6 +1,6 @@
 """ResponseStore: the Responses API's stored responses, one table for every ingress replica
-(a Serve deployment of its own, so a response outlives the ingress replica that made it),
-bounded in count (least recently used leave first) and in age (a TTL).
+(in the app's AppTables actor, cluster/app_tables.py, so a response outlives the ingress
+replica that made it), bounded in count (least recently used leave first) and in age (a TTL).
 
 Each record is plain data: the response object, the conversation it ends (chat messages:
 what `previous_response_id` continues), and whether a cancel was asked for (a background
@@ -12,13 +12,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ray import serve
-
 # The response statuses a cancel may still change.
 _RUNNING = ("queued", "in_progress")
 
 
-@serve.deployment(name="ResponseStore", num_replicas=1, max_ongoing_requests=1024)
 class ResponseStore:
     def __init__(self, max_responses: int, ttl_s: float) -> None:
         self.max_responses = max_responses
