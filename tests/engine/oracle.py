@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 # A float32 near-tie may flip an argmax between two correct implementations; a divergence is
 # accepted only where HF's own top-2 logits differ by less than this at the first differing
@@ -14,7 +14,9 @@ NEAR_TIE_TOLERANCE = 1e-4
 class HFOracle:
     def __init__(self, model_dir: str, adapter: str | None = None) -> None:
         """`adapter`: a PEFT LoRA adapter directory, merged into the model by PEFT."""
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, **_dequantized(model_dir)
+        ).eval()
         if adapter is not None:
             from peft import PeftModel
 
@@ -57,3 +59,17 @@ class HFOracle:
             f"top-2 logit gap is {gap:.3g}, not a near-tie\nours {ours}\nhf   {ref}"
         )
         return "near-tie"
+
+
+def _dequantized(model_dir: str) -> dict:
+    """from_pretrained's arguments that dequantize an MXFP4 checkpoint at load. Where the
+    `kernels` package is installed (recent transformers require it) transformers
+    runs MXFP4 experts through kernels fetched from the Hub, which these hosts cannot reach;
+    without it, it dequantized them, as it does here."""
+    quant = getattr(AutoConfig.from_pretrained(model_dir), "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
