@@ -83,18 +83,29 @@ def _name(pid: str) -> str:
     return os.path.basename(first) or "?"
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the program's name (the state first, the parent's pid
+    second, utime and stime at 11 and 12), or None for a process gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds so far, from stat_fields."""
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
 def snapshot() -> dict[int, tuple[str, float]]:
     """pid -> (name, user + system CPU seconds so far)."""
     out: dict[int, tuple[str, float]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
-        out[int(pid)] = (_name(pid), cpu)
+        fields = stat_fields(pid)
+        if fields is not None:
+            out[int(pid)] = (_name(pid), cpu_seconds(fields))
     return out
 
 

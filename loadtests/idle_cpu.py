@@ -28,10 +28,9 @@ from typing import Any
 
 import yaml
 
-from loadtests.cpu_accounting import host_info
+from loadtests.cpu_accounting import cpu_seconds, host_info, stat_fields
 from loadtests.workload import REPO, resolve_model
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -39,12 +38,9 @@ def _descendants(root: int) -> set[int]:
     """`root` and every process below it, from /proc's parent links."""
     children: dict[int, list[int]] = defaultdict(list)
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        children[int(stat[stat.rindex(")") + 2 :].split()[1])].append(int(pid))
+        fields = stat_fields(pid)
+        if fields is not None:
+            children[int(fields[1])].append(int(pid))
     found, todo = set(), [root]
     while todo:
         pid = todo.pop()
@@ -71,16 +67,15 @@ def _usage(pids: set[int]) -> dict[int, tuple[str, float, float]]:
     """pid -> (name, user + system CPU seconds so far, resident MB)."""
     out = {}
     for pid in pids:
+        fields = stat_fields(pid)
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
             with open(f"/proc/{pid}/statm") as f:
                 rss = int(f.read().split()[1]) * _PAGE / 2**20
             name = _name(pid)
         except (OSError, IndexError):
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[pid] = (name, (int(fields[11]) + int(fields[12])) / _TICKS, rss)
+        if fields is not None:
+            out[pid] = (name, cpu_seconds(fields), rss)
     return out
 
 
