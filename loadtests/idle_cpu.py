@@ -68,14 +68,15 @@ def _usage(pids: set[int]) -> dict[int, tuple[str, float, float]]:
     out = {}
     for pid in pids:
         fields = stat_fields(pid)
+        if fields is None:  # gone
+            continue
         try:
             with open(f"/proc/{pid}/statm") as f:
                 rss = int(f.read().split()[1]) * _PAGE / 2**20
             name = _name(pid)
-        except (OSError, IndexError):
+        except (OSError, IndexError):  # gone since
             continue
-        if fields is not None:
-            out[pid] = (name, cpu_seconds(fields), rss)
+        out[pid] = (name, cpu_seconds(fields), rss)
     return out
 
 
