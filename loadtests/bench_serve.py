@@ -13,7 +13,9 @@ ratio, TTFT and ITL (mean inter-token latency of a request) p50/p99, the share o
 hypervisor stole during each side, and the CPU each process spent per output token over HTTP.
 `--chat` sends each prompt's text as a chat message (the in-process side gets the chat template
 applied to it); `--trace` has the app write trace spans and splits the HTTP TTFT into stages
-(loadtests/ttft_stages.py).
+(loadtests/ttft_stages.py); `--paired K` (one client) then sends every prompt K times more,
+in process and over HTTP back to back, and reads what serving adds to the same prompt
+(loadtests/latency_pairs.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from loadtests import cpu_accounting
 from loadtests.closed_loop import run_http, run_inprocess
+from loadtests.latency_pairs import run_pairs
 from loadtests.ttft_stages import ttft_stages
 from loadtests.workload import WorkItem, as_chat, load_workload, resolve_model
 from serve_app.config import AppArgs
@@ -50,8 +53,11 @@ def start_serve(args: AppArgs) -> list[str]:
 
 
 # --------------------------------------------------------------------------------- main
-async def _rounds(opts, args: AppArgs, base_v1: list[str], items: list[WorkItem]) -> list[tuple]:
-    """Alternate in-process and HTTP rounds so that machine drift hits both alike."""
+async def _rounds(
+    opts, args: AppArgs, base_v1: list[str], items: list[WorkItem]
+) -> tuple[list[tuple], dict[str, Any] | None, list]:
+    """Alternate in-process and HTTP rounds so that machine drift hits both alike; then, with
+    `--paired`, the pairs' summary and their HTTP timings."""
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine
 
@@ -71,9 +77,18 @@ async def _rounds(opts, args: AppArgs, base_v1: list[str], items: list[WorkItem]
                 f" {http['tok_s_steal_adjusted'] / inproc['tok_s_steal_adjusted']:.3f}",
                 file=sys.stderr,
             )
+        if not opts.paired:
+            return rounds, None, []
+        from loadtests.sse_client import SseClient
+
+        client = SseClient(base_v1[0])
+        try:
+            pairs = await run_pairs(engine, client, args.model_name, items, opts.paired)
+        finally:
+            await client.close()
+        return rounds, pairs.summary(), [http for _, http in pairs.pairs]
     finally:
         await engine.shutdown()
-    return rounds
 
 
 def _median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
@@ -152,8 +167,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--trace", action="store_true", help="trace spans to a file; the HTTP TTFT by stage"
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="K",
+        help="one client: after the rounds, every prompt K times more in process and over "
+        "HTTP back to back; the median of what serving added to each",
+    )
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
+    if opts.paired and opts.concurrency != 1:
+        parser.error("--paired measures one client: --concurrency 1")
     # Serve's direct ingress (the default of serve_app.deploy.local_cluster): the ingress replica
     # serves HTTP on its own port, one Ray hop (and its CPU per streamed token) fewer than
     # through the proxy.
@@ -209,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     base_v1 = start_serve(args)
     try:
-        rounds = asyncio.run(_rounds(opts, args, base_v1, items))
+        rounds, paired, paired_http = asyncio.run(_rounds(opts, args, base_v1, items))
     finally:
         stop_local_serve()
     inproc = _median_summary([r[0] for r in rounds])
@@ -248,8 +273,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "http": http,
         "inprocess": inproc,
     }
+    if paired is not None:
+        result["paired"] = paired
     if spans is not None:
-        result["ttft_stages_ms"] = ttft_stages(spans, [t for r in rounds for t in r[3]])
+        http_timings = [t for r in rounds for t in r[3]] + paired_http
+        result["ttft_stages_ms"] = ttft_stages(spans, http_timings)
     if opts.json:
         print(json.dumps(result, indent=2))
     else:
@@ -274,6 +302,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"added by serving (medians): TTFT {result['ttft_added_ms']:.1f} ms,"
             f" ITL {result['itl_added_ms']:.2f} ms"
         )
+        if paired is not None:
+            lo, hi = paired["ttft_added_ci95_ms"]
+            ilo, ihi = paired["itl_added_ci95_ms"]
+            print(
+                f"added by serving, {paired['pairs']} prompts each side back to back (medians"
+                f" of the differences, 95% interval): TTFT {paired['ttft_added_ms']:.1f} ms"
+                f" [{lo:.1f}, {hi:.1f}], ITL {paired['itl_added_ms']:.2f} ms"
+                f" [{ilo:.2f}, {ihi:.2f}]"
+            )
         if "ttft_stages_ms" in result:
             stages = ", ".join(f"{k} {v:.1f}" for k, v in result["ttft_stages_ms"].items())
             print(f"HTTP TTFT by stage (ms, medians): {stages}")

@@ -88,18 +88,23 @@ async def closed_loop(items: list[WorkItem], concurrency: int, one) -> RunResult
 
 
 # --------------------------------------------------------------------------- in process
+async def inprocess_request(engine, it: WorkItem) -> RequestTiming:
+    """One request to `engine` (an AsyncLLMEngine on the running event loop), streamed."""
+    params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
+    t = RequestTiming(time.perf_counter())
+    async for out in engine.generate(it.prompt_token_ids, params, it.request_id):
+        if out.new_token_ids and t.first_token is None:
+            t.first_token = time.perf_counter()
+        t.tokens = out.num_output_tokens
+    t.end = time.perf_counter()
+    return t
+
+
 async def run_inprocess(engine, items: list[WorkItem], concurrency: int) -> RunResult:
     """`engine` is an AsyncLLMEngine; its loop lives on the running event loop."""
 
     async def one(it: WorkItem) -> RequestTiming:
-        params = SamplingParams(temperature=0.0, max_tokens=it.max_tokens, ignore_eos=True)
-        t = RequestTiming(time.perf_counter())
-        async for out in engine.generate(it.prompt_token_ids, params, it.request_id):
-            if out.new_token_ids and t.first_token is None:
-                t.first_token = time.perf_counter()
-            t.tokens = out.num_output_tokens
-        t.end = time.perf_counter()
-        return t
+        return await inprocess_request(engine, it)
 
     await one(items[0])  # warm-up: first-use costs stay out of the figure
     busy = engine.step_seconds_total
@@ -121,23 +126,7 @@ async def run_http(
     turns = itertools.cycle(clients)
 
     async def one(it: WorkItem) -> RequestTiming:
-        body = {
-            "model": model,
-            "max_tokens": it.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if it.chat is None:
-            route, body["prompt"] = "/completions", it.prompt_token_ids
-        else:
-            route, body["messages"] = "/chat/completions", [{"role": "user", "content": it.chat}]
-        t = RequestTiming(time.perf_counter())
-        streamed = await next(turns).stream(route, body)
-        t.first_token, t.end, t.tokens = streamed.first_event, streamed.end, streamed.tokens
-        t.request_id = streamed.request_id
-        return t
+        return await http_request(next(turns), model, it)
 
     from ray import serve
 
@@ -151,3 +140,25 @@ async def run_http(
     finally:
         for client in clients:
             await client.close()
+
+
+async def http_request(client, model: str, it: WorkItem) -> RequestTiming:
+    """One request through `client` (loadtests.sse_client.SseClient), streamed with usage at
+    the end only (as `vllm bench serve` asks)."""
+    body = {
+        "model": model,
+        "max_tokens": it.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if it.chat is None:
+        route, body["prompt"] = "/completions", it.prompt_token_ids
+    else:
+        route, body["messages"] = "/chat/completions", [{"role": "user", "content": it.chat}]
+    t = RequestTiming(time.perf_counter())
+    streamed = await client.stream(route, body)
+    t.first_token, t.end, t.tokens = streamed.first_event, streamed.end, streamed.tokens
+    t.request_id = streamed.request_id
+    return t
