@@ -38,6 +38,7 @@ from cluster.conversations import prompt_tokens
 from cluster.kv_transfer import KVTransfer
 from cluster.prefix_routing import PrefixRouting, affinity_ranked, kv_ranked, prefix_key
 from cluster.request_records import RequestRecord, summarize_records
+from cluster.shared_prefixes import SharedPrefixes
 from cluster.sim_config import SimConfig
 from cluster.sim_replica import MovedSequence, SimReplica
 from cluster.simulator import after, gc_paused
@@ -203,6 +204,7 @@ class ClusterSimulator:
         next_tune = retuner.period_s if retuner is not None else math.inf
         series: list[tuple[float, int, int, int]] = []
         events: list[tuple[float, int, int]] = []
+        shared = SharedPrefixes()
         next_tick = 0.0
         t = 0.0
 
@@ -255,7 +257,7 @@ class ClusterSimulator:
                     target.replica.add(seq.req, at_s=t, moved=seq)
                     continue
                 req = pending.popleft()
-                target, prompt = self._route(req, candidates)
+                target, prompt = self._route(req, candidates, shared, t)
                 target.replica.add(req, prompt=prompt)
             elif next_tune <= min(t_tick, t_step, t_control):
                 assert retuner is not None and control is not None
@@ -314,7 +316,7 @@ class ClusterSimulator:
         )
 
     def _route(
-        self, req: SimRequest, candidates: list[_Member]
+        self, req: SimRequest, candidates: list[_Member], shared: SharedPrefixes, t: float
     ) -> tuple[_Member, list[int] | None]:
         """The replica an arrival goes to, and its prompt's token ids where they were made."""
 
@@ -324,8 +326,13 @@ class ClusterSimulator:
         prompt = prompt_tokens(req)
         ranked = sorted(candidates, key=_load)
         if routing.kv_aware:
-            keys = prompt_block_hashes(prompt, self.config.replica.cache.block_size)
-            ranks = kv_ranked(ranked, keys, _load, _held_blocks, routing.kv_weight, _cache_fill)
+            block_size = self.config.replica.cache.block_size
+            keys = prompt_block_hashes(prompt, block_size)
+            shared.observe(prompt, keys, block_size, t)
+            common = shared.shared_blocks(keys, len(ranked))
+            ranks = kv_ranked(
+                ranked, keys, _load, _held_blocks, routing.kv_weight, _cache_fill, common
+            )
         else:
             key = prefix_key(prompt, routing.prefix_tokens)
             ranks = affinity_ranked(ranked, _name, key, _load, routing.max_imbalance)

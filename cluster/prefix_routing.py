@@ -7,7 +7,8 @@
   preferred replica is `max_imbalance` requests busier than the least loaded;
 - KV-aware: the replica whose load less `weight` times the share of the prompt's full blocks
   it holds as a prefix (engine/core/block_hashes.py's keys), plus `weight` times the share
-  of its cache that cached blocks fill, is lowest.
+  of its cache that cached blocks fill, is lowest; a prefix shared by enough prompts
+  (cluster/shared_prefixes.py) counts as held by every replica.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def kv_ranked(
     held: Callable[[R], Container[int]],
     weight: float,
     fill: Callable[[R], float] | None = None,
+    shared: int = 0,
 ) -> list[list[R]]:
     """Ranks of `ranked` (least loaded first) for a prompt whose full blocks have `keys`: the
     replica with the best score, then the rest. A replica's score is its load less `weight`
@@ -84,12 +86,14 @@ def kv_ranked(
     and not on a replica with room. Without the second term, the first replica to cache a
     prefix every conversation shares (a system prompt) would take every new conversation
     while its load stayed under `weight`, more than its cache holds; where every cache is
-    full (a long-running app's), it is the same for all and the first decides."""
+    full (a long-running app's), it is the same for all and the first decides. The first
+    `shared` blocks count as held by every replica: a prefix worth a copy on each
+    (cluster/shared_prefixes.py), which no replica should win prompts by holding first."""
     if not keys:
         return [ranked]
 
     def score(replica: R) -> float:
-        share = cached_prefix(keys, held(replica)) / len(keys)
+        share = max(cached_prefix(keys, held(replica)), shared) / len(keys)
         return load(replica) - weight * (share - (fill(replica) if fill is not None else 0.0))
 
     best = min(ranked, key=score)  # the first of equals: the least loaded

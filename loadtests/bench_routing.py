@@ -87,15 +87,22 @@ def conversations(opts: argparse.Namespace, vocab_size: int, seed: int) -> list[
 
 
 async def converse(
-    url: str, model: str, convs: list[list[list[int]]], max_tokens: int, think_s: float
+    url: str,
+    model: str,
+    convs: list[list[list[int]]],
+    max_tokens: int,
+    think_s: float,
+    spread_s: float = 0.0,
 ):
-    """Every conversation at once, each turn sent a user's think time (`think_s`, 0.5-1.5x
-    of it, drawn) after the last one ended; the TTFTs."""
+    """Conversation i from `spread_s` x i on (all at once by default), each turn sent a
+    user's think time (`think_s`, 0.5-1.5x of it, drawn) after the last one ended; the
+    TTFTs."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     ttfts: list[float] = []
 
     async def one(index: int, prompts: list[list[int]]) -> None:
         rng = random.Random(index)
+        await asyncio.sleep(spread_s * index)
         for turn, prompt in enumerate(prompts):
             if turn:
                 await asyncio.sleep(think_s * (0.5 + rng.random()))
@@ -135,7 +142,9 @@ def replica_counters(app: str) -> dict[str, tuple[int, ...]]:
 def run_once(app: str, url: str, opts: argparse.Namespace, convs) -> RoutingRun:
     before = replica_counters(app)
     began = time.monotonic()
-    ttft = asyncio.run(converse(url, opts.served_name, convs, opts.max_tokens, opts.think_s))
+    ttft = asyncio.run(
+        converse(url, opts.served_name, convs, opts.max_tokens, opts.think_s, opts.spread_s)
+    )
     wall = time.monotonic() - began
     after = replica_counters(app)
     deltas = [
@@ -221,6 +230,7 @@ def summarize(runs: dict[str, list[RoutingRun]], opts: argparse.Namespace) -> di
                 "user_tokens",
                 "reply_tokens",
                 "max_tokens",
+                "spread_s",
                 "kv_cache_mib",
                 "rounds",
             )
@@ -267,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reply-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
     p.add_argument("--think-s", type=float, default=1.5, help="a user's pause between turns")
+    p.add_argument(
+        "--spread-s",
+        type=float,
+        default=0.0,
+        help="conversation i starts this many seconds x i after the first (0: all at once)",
+    )
     p.add_argument("--kv-cache-mib", type=int, default=4, help="each engine replica's KV cache")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)

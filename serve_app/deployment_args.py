@@ -92,9 +92,10 @@ class RoutingArgs(_Strict):
         description="Route by what each replica holds: the replicas publish the keys of the "
         "prompt blocks in their KV cache every second, and each replica's outstanding "
         "requests count less by kv_weight times the share of the prompt it holds and more by "
-        "kv_weight times the share of its cache that cached blocks fill (in place of "
-        "prefix_affinity's hash of the first prefix_tokens tokens; adapter requests are routed "
-        "by adapter).",
+        "kv_weight times the share of its cache that cached blocks fill; a prefix that as "
+        "many prompts continued differently as there are replicas counts as held by all (in "
+        "place of prefix_affinity's hash of the first prefix_tokens tokens; adapter requests "
+        "are routed by adapter).",
     )
     kv_weight: float = Field(
         8.0,

@@ -9,9 +9,10 @@ rendezvous hashing of the first `prefix_tokens` prompt tokens over replica ids
 (cluster/prefix_routing.py, which the simulator applies too). With `kv_aware` instead, a
 request goes to the replica whose load less `kv_weight` times the share of the prompt's full
 blocks its prefix cache holds, plus `kv_weight` times the share of its cache that cached
-blocks fill, is lowest (the replicas publish their blocks' keys and that share in their
-routing stats every second; the keys of the prompts sent to a replica count as held there
-for a few seconds before it does). A request with a LoRA adapter
+blocks fill, is lowest; a prefix that as many prompts continued differently as there are
+replicas counts as held by all (cluster/shared_prefixes.py). The replicas publish their
+blocks' keys and that share in their routing stats every second; the keys of the prompts sent
+to a replica count as held there for a few seconds before it does. A request with a LoRA adapter
 goes first to the least loaded replica that holds the adapter in a slot (its
 `record_routing_stats()` lists them), unless that one is busier than the least loaded by over
 `max_imbalance`; elsewhere the replica loads it. A sequence that comes with its KV (moved
@@ -32,6 +33,7 @@ routing tasks flooded busy replicas with queue-length probes here.)
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -40,6 +42,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from cluster.control import weighted_load
 from cluster.prefix_routing import affinity_ranked, kv_ranked, prefix_key
+from cluster.shared_prefixes import SharedPrefixes
 from engine.core.block_hashes import prompt_block_hashes
 from serve_app.transport.cached_prefix import Holding, PublishedBlocks
 
@@ -66,6 +69,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.kv_weight = kv_weight
         self.block_size = block_size
         self.published = PublishedBlocks()
+        self.shared = SharedPrefixes()
 
     def _get_pending_request_matching_metadata(
         self, request_metadata: RequestMetadata | None = None
@@ -141,9 +145,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             if len(self.published) > len(self.curr_replicas):  # some were removed
                 self.published.forget_others({r.unique_id for r in self.curr_replicas})
             keys = prompt_block_hashes(prompt, self.block_size)
-            ranks = kv_ranked(
-                ranked, keys, self.replica_load, self._held_blocks, self.kv_weight, _cache_fill
-            )
+            self.shared.observe(prompt, keys, self.block_size, time.monotonic())
+            shared = self.shared.shared_blocks(keys, len(ranked))
+            load, held = self.replica_load, self._held_blocks
+            ranks = kv_ranked(ranked, keys, load, held, self.kv_weight, _cache_fill, shared)
             if keys:  # the first choice: where the prompt goes unless that replica refuses it
                 self.published.sent(ranks[0][0].replica_id.unique_id, keys)
             return ranks

@@ -1,11 +1,13 @@
 """KV-aware routing's choice (cluster/prefix_routing.py): the replica holding the
-longest prefix of the prompt, unless its load outweighs what it holds."""
+longest prefix of the prompt, unless its load outweighs what it holds; a prefix many prompts
+share (cluster/shared_prefixes.py) counts as held by all."""
 
 from __future__ import annotations
 
 from array import array
 
 from cluster.prefix_routing import cached_prefix, kv_ranked
+from cluster.shared_prefixes import SharedPrefixes
 from engine.core.block_hashes import prompt_block_hashes
 from serve_app.transport.cached_prefix import PublishedBlocks
 
@@ -93,3 +95,54 @@ def test_a_shared_prefix_draws_new_prompts_only_while_its_holders_cache_has_room
     # The holder of a conversation's whole history keeps it, however full.
     holds["a"] = frozenset(keys)
     assert choice({"a": 1.0, "b": 0.1}) == "a"
+
+
+def test_the_token_after_a_block_tells_a_shared_prefix_from_one_conversations_history():
+    shared = SharedPrefixes(horizon_s=60.0)
+    system = list(range(2000, 2096))  # 6 blocks
+    turn1 = [*system, *range(3000, 3064)]
+    turn2 = [*turn1, *range(3100, 3228)]  # the same conversation, extended
+
+    def observe(prompt: list[int], now: float) -> list[int]:
+        keys = prompt_block_hashes(prompt, 16)
+        shared.observe(prompt, keys, 16, now)
+        return keys
+
+    keys = observe(turn1, 0.0)
+    assert shared.shared_blocks(keys, 1) == len(keys) and shared.shared_blocks(keys, 2) == 0
+    # Its next turn follows every block with the same token as before: nothing branches.
+    keys = observe(turn2, 1.0)
+    assert shared.shared_blocks(keys, 2) == 0
+    # Another conversation on the system prompt: the prompts branch after its 6 blocks.
+    other = observe([*system, *range(4000, 4064)], 2.0)
+    assert shared.shared_blocks(other, 2) == 6 and shared.shared_blocks(keys, 2) == 6
+    assert shared.shared_blocks(other, 3) == 0  # worth a copy on two replicas, not three
+    # A minute without it: forgotten.
+    assert shared.shared_blocks(observe(list(range(9000, 9040)), 63.0), 1) == 2
+    assert len(shared) == 2 and shared.shared_blocks(other, 2) == 0
+
+
+def test_conversations_on_a_shared_system_prompt_spread_however_far_apart_they_come():
+    """Each prompt ends before the next comes (loads stay 0): the first replica to hold the
+    system prompt used to take every conversation. Now it counts as held by both once two
+    conversations have followed it, new ones go by cache fill, and every later turn goes
+    where its conversation's history is."""
+    system = list(range(2000, 2096))
+    convs = [[*system, *range(10_000 * (c + 1), 10_000 * (c + 1) + 64)] for c in range(20)]
+    held: dict[str, set[int]] = {"a": set(), "b": set()}
+    capacity = 200  # blocks a replica's cache holds
+    shared, where = SharedPrefixes(), {}
+    for turn in range(3):
+        for c, prompt in enumerate(convs):
+            keys = prompt_block_hashes(prompt, 16)
+            shared.observe(prompt, keys, 16, now=turn * 3.0 + c * 0.1)
+            common = shared.shared_blocks(keys, 2)
+            fill = {r: len(h) / capacity for r, h in held.items()}
+            chosen = kv_ranked(
+                ["a", "b"], keys, {"a": 0, "b": 0}.get, held.get, 8.0, fill.get, common
+            )
+            replica = chosen[0][0]
+            assert where.setdefault(c, replica) == replica, (turn, c)  # the history's replica
+            held[replica].update(keys)
+            convs[c] = [*prompt, *range(prompt[-1] + 1, prompt[-1] + 129)]  # reply, next message
+    assert sorted(list(where.values()).count(r) for r in "ab") == [10, 10]
