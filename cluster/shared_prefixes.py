@@ -26,15 +26,18 @@ from collections import OrderedDict
 HORIZON_S = 60.0
 # Continuations kept per block: enough to compare with any replica count in use.
 MAX_CONTINUATIONS = 64
+# Blocks kept, the least recently seen dropped first: a bound on the router's memory at any
+# request rate (a shared prefix is seen with every prompt on it, so it stays).
+MAX_BLOCKS = 16_384
 
 
 class SharedPrefixes:
-    """For each block key of the prompts seen in the last `horizon_s`, the distinct tokens
-    that followed it. Time is the caller's (`now`): the wall clock in the router, the
-    simulated clock in the simulator."""
+    """For each block key of the prompts seen in the last `horizon_s` (at most `max_blocks`
+    of them, the most recently seen), the distinct tokens that followed it. Time is the
+    caller's (`now`): the wall clock in the router, the simulated clock in the simulator."""
 
-    def __init__(self, horizon_s: float = HORIZON_S) -> None:
-        self.horizon_s = horizon_s
+    def __init__(self, horizon_s: float = HORIZON_S, max_blocks: int = MAX_BLOCKS) -> None:
+        self.horizon_s, self.max_blocks = horizon_s, max_blocks
         self._after: OrderedDict[int, tuple[float, set[int]]] = OrderedDict()
 
     def observe(self, prompt: list[int], keys: list[int], block_size: int, now: float) -> None:
@@ -48,7 +51,7 @@ class SharedPrefixes:
                 followers.add(prompt[(i + 1) * block_size])
             after[key] = (now, followers)
         oldest = now - self.horizon_s
-        while after and next(iter(after.values()))[0] < oldest:
+        while after and (len(after) > self.max_blocks or next(iter(after.values()))[0] < oldest):
             after.popitem(last=False)
 
     def shared_blocks(self, keys: list[int], replicas: int) -> int:

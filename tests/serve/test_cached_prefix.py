@@ -120,6 +120,12 @@ def test_the_token_after_a_block_tells_a_shared_prefix_from_one_conversations_hi
     # A minute without it: forgotten.
     assert shared.shared_blocks(observe(list(range(9000, 9040)), 63.0), 1) == 2
     assert len(shared) == 2 and shared.shared_blocks(other, 2) == 0
+    # However many prompts come within the minute, only the most recent blocks are kept.
+    bounded = SharedPrefixes(max_blocks=8)
+    for start in range(0, 800, 40):
+        prompt = list(range(start, start + 40))
+        bounded.observe(prompt, prompt_block_hashes(prompt, 16), 16, now=0.0)
+    assert len(bounded) == 8
 
 
 def test_conversations_on_a_shared_system_prompt_spread_however_far_apart_they_come():
