@@ -4,9 +4,10 @@ prompt, a document asked about again and again) from one conversation's own hist
 
 Routing by the blocks each replica holds follows a conversation to its history, which only
 one replica has. For a shared prefix the first replica to hold it would win every new prompt
-on it the same way, while its load stayed under what the prefix is worth: with prompts
-arriving spread out (each ended before the next came), never. Every new conversation went to
-one replica until its cache overflowed and dropped their histories, the other replica idle.
+on it the same way, while its load stayed under what the prefix is worth: where nothing else
+moved them (each prompt ended before the next came, no later turns between), never. Every
+new conversation went to one replica until its cache was the fuller by the prefix's share of
+the prompt, and then the later turns it could not hold went elsewhere without their history.
 A prefix that at least as many distinct continuations have followed as there are replicas is
 worth a copy on each (its prefill once per replica, repaid by the uses already seen), so the
 router takes it as held everywhere: where the prompts after it go is for load, cache fill and
