@@ -328,8 +328,7 @@ class ClusterSimulator:
         if routing.kv_aware:
             block_size = self.config.replica.cache.block_size
             keys = prompt_block_hashes(prompt, block_size)
-            shared.observe(prompt, keys, block_size, t)
-            common = shared.shared_blocks(keys, len(ranked))
+            common = shared.observe(prompt, keys, block_size, t, len(ranked))
             ranks = kv_ranked(
                 ranked, keys, _load, _held_blocks, routing.kv_weight, _cache_fill, common
             )

@@ -41,19 +41,25 @@ class SharedPrefixes:
         self.horizon_s, self.max_blocks = horizon_s, max_blocks
         self._after: OrderedDict[int, tuple[float, set[int]]] = OrderedDict()
 
-    def observe(self, prompt: list[int], keys: list[int], block_size: int, now: float) -> None:
+    def observe(
+        self, prompt: list[int], keys: list[int], block_size: int, now: float, replicas: int = 1
+    ) -> int:
         """Count the token after each full block of `prompt` (whose keys are `keys`,
-        engine/core/block_hashes.py's: there is always a token after the last)."""
-        after = self._after
+        engine/core/block_hashes.py's: there is always a token after the last); return its
+        `shared_blocks` for `replicas`, found on the way."""
+        after, shared = self._after, 0
         for i, key in enumerate(keys):
             entry = after.pop(key, None)
             followers = entry[1] if entry is not None else set()
             if len(followers) < MAX_CONTINUATIONS:
                 followers.add(prompt[(i + 1) * block_size])
             after[key] = (now, followers)
+            if len(followers) >= replicas:
+                shared = i + 1
         oldest = now - self.horizon_s
         while after and (len(after) > self.max_blocks or next(iter(after.values()))[0] < oldest):
             after.popitem(last=False)
+        return shared
 
     def shared_blocks(self, keys: list[int], replicas: int) -> int:
         """How many of a prompt's leading blocks (`keys`) end at a branch that `replicas` or

@@ -145,8 +145,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             if len(self.published) > len(self.curr_replicas):  # some were removed
                 self.published.forget_others({r.unique_id for r in self.curr_replicas})
             keys = prompt_block_hashes(prompt, self.block_size)
-            self.shared.observe(prompt, keys, self.block_size, time.monotonic())
-            shared = self.shared.shared_blocks(keys, len(ranked))
+            shared = self.shared.observe(
+                prompt, keys, self.block_size, time.monotonic(), len(ranked)
+            )
             load, held = self.replica_load, self._held_blocks
             ranks = kv_ranked(ranked, keys, load, held, self.kv_weight, _cache_fill, shared)
             if keys:  # the first choice: where the prompt goes unless that replica refuses it

@@ -141,8 +141,7 @@ def test_conversations_on_a_shared_system_prompt_spread_however_far_apart_they_c
     for turn in range(3):
         for c, prompt in enumerate(convs):
             keys = prompt_block_hashes(prompt, 16)
-            shared.observe(prompt, keys, 16, now=turn * 3.0 + c * 0.1)
-            common = shared.shared_blocks(keys, 2)
+            common = shared.observe(prompt, keys, 16, now=turn * 3.0 + c * 0.1, replicas=2)
             fill = {r: len(h) / capacity for r, h in held.items()}
             chosen = kv_ranked(
                 ["a", "b"], keys, {"a": 0, "b": 0}.get, held.get, 8.0, fill.get, common
