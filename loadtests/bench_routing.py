@@ -47,6 +47,9 @@ class RoutingRun:
     cached_tokens: int
     preemptions: int
     busiest_share: float  # of the prompt tokens, the busiest replica's
+    # Each replica's prompt tokens looked up and found, busiest first: where a run went
+    # wrong, how its prompts split (and whether a replica was replaced mid-run: three rows).
+    replicas: list[tuple[int, int]]
 
     def summary(self) -> dict[str, Any]:
         ttft = sorted(self.ttft_s)
@@ -62,6 +65,7 @@ class RoutingRun:
             "ttft_p50_ms": round(1e3 * percentile(ttft, 50), 1),
             "ttft_p90_ms": round(1e3 * percentile(ttft, 90), 1),
             "ttft_mean_ms": round(1e3 * sum(ttft) / len(ttft), 1),
+            "replicas": [list(r) for r in self.replicas],
         }
 
 
@@ -153,7 +157,8 @@ def run_once(app: str, url: str, opts: argparse.Namespace, convs) -> RoutingRun:
     ]
     queries, hits, preempted = (sum(d[i] for d in deltas) for i in range(len(_COUNTERS)))
     busiest = max(d[0] for d in deltas) / max(1, queries)
-    return RoutingRun(app, wall, ttft, queries, hits, preempted, busiest)
+    split = sorted(((d[0], d[1]) for d in deltas), reverse=True)
+    return RoutingRun(app, wall, ttft, queries, hits, preempted, busiest, split)
 
 
 def app_args(opts: argparse.Namespace, routing: dict[str, Any]):
@@ -215,6 +220,7 @@ def summarize(runs: dict[str, list[RoutingRun]], opts: argparse.Namespace) -> di
             sum(r.cached_tokens for r in rs),
             sum(r.preemptions for r in rs),
             max(r.busiest_share for r in rs),
+            [row for r in rs for row in r.replicas],
         ).summary()
         for app, rs in runs.items()
     }

@@ -1,8 +1,9 @@
 """What an idle app costs the host, process by process: deploy.yaml served as `make serve`
-serves it (`serve run`, a local Ray cluster with its dashboard), nothing sent to it.
+serves it (`serve run` on a local Ray cluster; `--dashboard`: with Ray's), nothing sent to it.
 
     python -m loadtests.idle_cpu [--config deploy.yaml] [--model small] [--seconds 20]
-                                 [--env RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5] [--json]
+                                 [--env RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5] [--dashboard]
+                                 [--json]
 
 On a CPU host each millisecond the cluster's processes run beside an engine step is taken
 from the step's threads (on two cores a prefill runs about a tenth slower beside the idle app
@@ -127,12 +128,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long to measure")
     parser.add_argument("--settle", type=float, default=15.0, help="wait after ready")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the cluster")
+    parser.add_argument("--dashboard", action="store_true", help="launch with Ray's dashboard")
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args(argv)
     path, port = _config(opts.config, opts.model)
     env = dict(os.environ) | dict(kv.split("=", 1) for kv in opts.env)
     launch = subprocess.Popen(
-        [sys.executable, "-m", "serve_app.deploy.launch", path],
+        [sys.executable, "-m", "serve_app.deploy.launch", path] + ["--dashboard"] * opts.dashboard,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "host": host_info(),
         "env": opts.env,
+        "dashboard": opts.dashboard,
         "seconds": opts.seconds,
         "total_cpu_ms_per_s": sum(u["cpu_ms_per_s"] for u in usage.values()),
         "total_rss_mb": sum(u["rss_mb"] for u in usage.values()),

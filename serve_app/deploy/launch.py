@@ -1,7 +1,10 @@
 """`make serve`: run `serve run CONFIG`, wait until it answers, print ready-to-paste examples.
 
-python -m serve_app.deploy.launch deploy.yaml
+python -m serve_app.deploy.launch deploy.yaml [--dashboard]
 
+`serve run` goes on a local Ray cluster of its own (or the one `RAY_ADDRESS` names), started
+without Ray's dashboard unless `--dashboard` asks for it: its processes take about a fifth of
+an idle app's CPU, which on a CPU host the engine's steps lose (docs/serving.md, "CPU hosts").
 Ctrl-C (or SIGTERM) stops `serve run` and the local Ray cluster it started.
 """
 
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,11 +56,30 @@ def _answers(base: str) -> bool:
         return False
 
 
+def _serve_run(config: str, dashboard: bool) -> None:
+    """`serve run CONFIG` in this process, on a Ray cluster started here first (`serve run`
+    starts one with the dashboard and has no switch for it)."""
+    import ray
+    from ray.serve.scripts import cli
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="serve")
+    else:  # never another cluster left on this machine: a new one
+        ray.init(address="local", namespace="serve", include_dashboard=dashboard)
+    cli.main(["run", config], prog_name="serve")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="deploy.yaml")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ready")
+    parser.add_argument("--dashboard", action="store_true", help="start Ray's dashboard too")
+    parser.add_argument("--serve-run", action="store_true", help=argparse.SUPPRESS)  # the child
     opts = parser.parse_args()
+    if opts.serve_run:
+        _serve_run(opts.config, opts.dashboard)
+        return 0
     with open(opts.config) as f:
         config = yaml.safe_load(f)
     app = config["applications"][0]
@@ -80,9 +101,11 @@ def main() -> int:
     # Serve's direct ingress serves HTTP on the ports after the proxy's (docs/serving.md).
     env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 1))
     first_direct = int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+    # Serve's own bound (31000) would leave no port to a proxy port above it.
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(first_direct + 999))
     direct = [f"http://{host}:{p}{prefix}" for p in range(first_direct, first_direct + 8)]
-    serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or "serve"
-    child = subprocess.Popen([serve_bin, "run", opts.config], env=env)
+    command = [sys.executable, "-m", "serve_app.deploy.launch", opts.config, "--serve-run"]
+    child = subprocess.Popen(command + ["--dashboard"] * opts.dashboard, env=env)
 
     def stop(*_: object) -> None:
         if child.poll() is None:
