@@ -3,8 +3,9 @@
 python -m serve_app.deploy.launch deploy.yaml [--dashboard]
 
 `serve run` goes on a local Ray cluster of its own (or the one `RAY_ADDRESS` names), started
-without Ray's dashboard unless `--dashboard` asks for it: its processes take about a fifth of
-an idle app's CPU, which on a CPU host the engine's steps lose (docs/serving.md, "CPU hosts").
+without Ray's dashboard unless `--dashboard` asks for it: its processes take about a tenth of
+an idle app's CPU, which on a CPU host the engine's steps lose, and about 1 GB
+(docs/serving.md, "CPU hosts").
 Ctrl-C (or SIGTERM) stops `serve run` and the local Ray cluster it started.
 """
 

@@ -25,7 +25,11 @@ bench() {  # label port
 wait_up() { for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null && return 0; sleep 1; done; return 1; }
 ours() {  # label tree [launch flags]
   (cd "$2" && "$REPO/.venv/bin/python" -m serve_app.deploy.launch /tmp/deploy_small.yaml ${3:-} > "$OUT/$1.server.log" 2>&1) &
-  pid=$!; wait_up 8001 && bench "$1" 8001; pkill -TERM -f "serve_app.deploy.launch /tmp/deploy_small.yaml"; wait $pid; sleep 5
+  pid=$!; url=""
+  for _ in $(seq 300); do  # the ingress's own port, as `make serve` prints it
+    url=$(grep -o "dynabatch is serving .* at [^ ]*" "$OUT/$1.server.log" | awk '{print $NF}'); [ -n "$url" ] && break; sleep 1
+  done
+  port=${url%/v1}; port=${port##*:}; [ -n "$url" ] && bench "$1" "$port"; pkill -TERM -f "serve_app.deploy.launch /tmp/deploy_small.yaml"; wait $pid; sleep 5
 }
 for label in "$@"; do
   case $label in
