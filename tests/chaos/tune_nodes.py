@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,33 @@ def _lose(cluster, node) -> None:
             process.kill()
 
 
+class _Loser(threading.Thread):
+    """Loses `victim` once it has landed a trial and while it runs another, so that one is
+    lost with it. It looks every POLL_S, not only as trials land: a victim's trials could all
+    end between two landings elsewhere, and then none was lost. The node's processes are
+    stopped while it looks, so the trial it runs cannot end meanwhile."""
+
+    POLL_S = 0.02
+
+    def __init__(self, cluster, victim, pool: RayPool) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.victim, self.pool = cluster, victim, pool
+        self.stop = threading.Event()
+        self.removed_after: int | None = None  # the trials the victim had landed
+
+    def run(self) -> None:
+        while not self.stop.wait(self.POLL_S):
+            landed = self.pool.nodes[self.victim.node_id]
+            if not landed or not _running_a_trial(self.victim):
+                continue
+            _signal_all(self.victim, signal.SIGSTOP)
+            if _running_a_trial(self.victim):
+                _lose(self.cluster, self.victim)
+                self.removed_after = landed
+                return
+            _signal_all(self.victim, signal.SIGCONT)
+
+
 def tune_across(cluster, out: Path) -> dict[str, Any]:
     trace = make_workload(3000, 6.0, seed=5)
     save_trace(trace, out / "trace.jsonl")
@@ -89,25 +117,14 @@ def tune_across(cluster, out: Path) -> dict[str, Any]:
     fresh = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     victim, survivor = fresh
-    removed = []
     with RayPool() as pool:
-
-        def remove_once_it_ran_a_trial(trial: dict[str, Any]) -> None:
-            # Once it has landed a trial and while it runs another: that one is lost with it.
-            # Its processes stopped while we look, so the trial it runs cannot end meanwhile
-            # (a short trial did, its result landed, and nothing was lost).
-            if removed or not pool.nodes[victim.node_id]:
-                return
-            _signal_all(victim, signal.SIGSTOP)
-            if _running_a_trial(victim):
-                _lose(cluster, victim)
-                removed.append(pool.nodes[victim.node_id])
-            else:
-                _signal_all(victim, signal.SIGCONT)
-
-        there, complete = search(
-            problem, space, BUDGET, out / "there.jsonl", pool, SEED, remove_once_it_ran_a_trial
-        )
+        loser = _Loser(cluster, victim, pool)
+        loser.start()
+        try:
+            there, complete = search(problem, space, BUDGET, out / "there.jsonl", pool, SEED)
+        finally:
+            loser.stop.set()
+            loser.join()
         ran = dict(pool.nodes)
         rerun = pool.rerun
     from_cli = _cli(cluster.address, out / "trace.jsonl", out / "cli")
@@ -116,7 +133,7 @@ def tune_across(cluster, out: Path) -> dict[str, Any]:
         "complete": complete,
         "trials": len(there),
         "equal": _figures(there) == _figures(here),
-        "removed_after": removed,
+        "removed_after": loser.removed_after,
         "rerun": rerun,
         "victim_ran": ran.get(victim.node_id, 0),
         "survivor_ran": ran.get(survivor.node_id, 0),
