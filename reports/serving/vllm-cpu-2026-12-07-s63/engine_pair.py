@@ -80,13 +80,8 @@ def worker_vllm() -> None:
 
 
 def main(rounds: int) -> None:
-    vllm_env = dict(
-        os.environ,
-        VLLM_TARGET_DEVICE="cpu",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="0-1",
-        LD_PRELOAD=str(VENV / "lib/libiomp5.so"),
-    )
+    from paired import vllm_env  # beside this script
+
     workers = {
         "ours": subprocess.Popen(
             [str(REPO / ".venv/bin/python"), __file__, "worker", "ours"],
@@ -99,7 +94,7 @@ def main(rounds: int) -> None:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=vllm_env,
+            env=vllm_env(),
             stderr=subprocess.DEVNULL,
         ),
     }

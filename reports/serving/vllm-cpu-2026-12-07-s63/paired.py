@@ -59,14 +59,20 @@ def start_ours() -> tuple[str, subprocess.Popen]:
     raise SystemExit("ours never came up")
 
 
-def start_vllm() -> tuple[str, subprocess.Popen]:
-    env = dict(
+def vllm_env() -> dict[str, str]:
+    """vLLM on the CPU as its server ran in every comparison: both cores bound, Intel's
+    OpenMP, a 1 GiB KV cache (engine_pair.py runs its engine the same way)."""
+    return dict(
         os.environ,
         VLLM_TARGET_DEVICE="cpu",
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="0-1",
         LD_PRELOAD=str(VENV / "lib/libiomp5.so"),
     )
+
+
+def start_vllm() -> tuple[str, subprocess.Popen]:
+    env = vllm_env()
     serve = [
         str(VENV / "bin/vllm"),
         "serve",
