@@ -129,12 +129,23 @@ class ModelEntry(_Strict):
     max_queued_requests: int | None = Field(
         None, ge=0, description="As the top-level one. Null: the top level's."
     )
+    delta_channels: bool | None = Field(
+        None,
+        description="As the top-level one, for this model's engine replicas. Null: the "
+        "top level's.",
+    )
+    delta_links: bool | None = Field(
+        None,
+        description="As the top-level one (a model whose engine nodes take no other "
+        "ports from the ingress's: false). Null: the top level's.",
+    )
 
     def over(self, top: dict[str, Any]) -> dict[str, Any]:
         """The whole args of this model: what it sets over `top` (the app's args)."""
         patch = self.model_dump(exclude_unset=True)
-        if patch.get("max_queued_requests", 0) is None:
-            del patch["max_queued_requests"]
+        for inherited in ("max_queued_requests", "delta_channels", "delta_links"):
+            if patch.get(inherited, 0) is None:
+                del patch[inherited]
         return merged(top, patch)
 
 

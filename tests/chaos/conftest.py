@@ -32,7 +32,9 @@ def chaos_args(model: str, **overrides: Any) -> dict[str, Any]:
 
 # The chaos app's second model: a mixture of experts (gpt-oss: other weights, other tokens,
 # the expert path, attention sinks and windowed layers over HTTP), one engine replica of its
-# own beside `tiny`'s two; its streams must not notice a fault of `tiny`'s replicas.
+# own beside `tiny`'s two; its streams must not notice a fault of `tiny`'s replicas. Its
+# deltas come on each request's own call (delta_channels false), so every fault here meets
+# both of the ingress's ways of streaming.
 OTHER_ARCH = "gpt-oss"
 OTHER = f"tiny-{OTHER_ARCH}"
 
@@ -51,6 +53,7 @@ def deploy(serve_cluster: ServeCluster, **overrides: Any) -> None:
         "served_model_name": OTHER,
         "engine": {"lora": {"enabled": False, "adapters": {}, "search_path": None}},
         "engine_replicas": {"num_replicas": 1},
+        "delta_channels": False,
     }
     serve.run(build_app(args | {"models": [tiny, other]}), name=APP, route_prefix=f"/{APP}")
 
@@ -144,12 +147,14 @@ async def run_other(base_url: str) -> list[str]:
     return list(await asyncio.gather(*(streamed(f"Other {i}: far away") for i in range(4))))
 
 
-def engine_replica_stats(serve_cluster: ServeCluster, timeout: float = 60.0) -> dict[str, dict]:
-    """Stats of every live engine replica of the chaos app, each asked by its id."""
+def engine_replica_stats(
+    serve_cluster: ServeCluster, timeout: float = 60.0, model: str = "tiny"
+) -> dict[str, dict]:
+    """Stats of every live engine replica of the chaos app's `model`, each asked by its id."""
     from loadtests.soak.cli import engine_stats
 
-    seen = engine_stats(serve_cluster.engine_handle(APP, "tiny"), APP, timeout=timeout)
-    assert seen, f"the {APP} app's engine replicas did not all answer within {timeout:g} s"
+    seen = engine_stats(serve_cluster.engine_handle(APP, model), APP, timeout=timeout)
+    assert seen, f"the {APP} app's {model} replicas did not all answer within {timeout:g} s"
     return seen
 
 

@@ -1,7 +1,7 @@
 """Chaos: 200 clients that go away at random moments (before the first byte, mid-stream,
-whole requests too), the ingress replica killed under 16 streams, or a client that stops
-reading, leave nothing behind: within 10 s every engine replica has no request and every KV
-block free, and the app serves the next request."""
+whole requests too), the ingress replica killed under streams of both models, or a client
+that stops reading, leave nothing behind: within 10 s every engine replica has no request
+and every KV block free, and the app serves the next request."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from serve_app.deploy.local_cluster import ingress_url
-from tests.chaos.conftest import deploy, engine_replica_stats
+from tests.chaos.conftest import OTHER, engine_replica_stats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,32 +145,39 @@ def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(serve_cluste
     assert 0 < received < 8 << 20
 
 
-def _kill_the_ingress_under_streams(serve_cluster, chaos_app) -> None:
-    """Its engine requests are aborted and their blocks freed within 10 s (Ray never closes a
-    dead caller's streams: the engine replicas watch the ingress replicas they serve)."""
+def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
+    """16 streams to `tiny` (their deltas on the ingress's delta channels) and 8 to OTHER
+    (each on its request's own call): the ingress replica killed, every engine request of
+    both is aborted and its blocks freed within 10 s (Ray never closes a dead caller's
+    streams: the engine replicas watch the ingress replicas they serve)."""
     url = f"{serve_cluster.v1(chaos_app)}/completions"
-    body = {"model": "tiny", "prompt": "orphan", "max_tokens": 480, "ignore_eos": True}
+    body = {"prompt": "orphan", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    streams = {"tiny": 16, OTHER: 8}
+
+    def stats_of(model: str) -> list[dict]:
+        return list(engine_replica_stats(serve_cluster, model=model).values())
+
+    async def running(model: str) -> int:
+        return sum(s["num_running"] for s in await asyncio.to_thread(stats_of, model))
 
     async def orphans() -> None:
-        async def one() -> None:
-            streamed = body | {"stream": True}
+        async def one(model: str) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 async with (
                     httpx.AsyncClient(timeout=120) as client,
-                    client.stream("POST", url, json=streamed) as resp,
+                    client.stream("POST", url, json=body | {"model": model}) as resp,
                 ):
                     async for _ in resp.aiter_raw():
                         pass
 
-        before = _aborted((await asyncio.to_thread(engine_replica_stats, serve_cluster)).values())
-        tasks = [asyncio.create_task(one()) for _ in range(16)]
+        # (the stats helper blocks: it runs beside this loop)
+        before = {m: _aborted(await asyncio.to_thread(stats_of, m)) for m in streams}
+        tasks = [asyncio.create_task(one(m)) for m, n in streams.items() for _ in range(n)]
         deadline = time.monotonic() + 60
-        while True:  # (the stats helper blocks: it runs beside this loop)
-            stats = (await asyncio.to_thread(engine_replica_stats, serve_cluster)).values()
-            if sum(s["num_running"] for s in stats) >= 8:
-                break
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.2)
+        for model, count in streams.items():  # at least half of each model's running
+            while await running(model) < count // 2:
+                assert time.monotonic() < deadline, model
+                await asyncio.sleep(0.2)
         found = subprocess.run(
             ["pgrep", "-f", f"ServeReplica:{chaos_app}:OpenAIIngress"],
             capture_output=True,
@@ -179,17 +186,18 @@ def _kill_the_ingress_under_streams(serve_cluster, chaos_app) -> None:
         for pid in found.stdout.split():
             os.kill(int(pid), signal.SIGKILL)
         killed = time.monotonic()
-        while True:
-            stats = (await asyncio.to_thread(engine_replica_stats, serve_cluster)).values()
-            if all(
-                s["num_running"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
-                for s in stats
-            ):
-                break
-            assert time.monotonic() - killed < 10, list(stats)
-            await asyncio.sleep(0.5)
-        # Ended by abort, not run to their 480 tokens.
-        assert _aborted(stats) - before >= 8
+        for model, count in streams.items():
+            while True:
+                stats = await asyncio.to_thread(stats_of, model)
+                if all(
+                    s["num_running"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
+                    for s in stats
+                ):
+                    break
+                assert time.monotonic() - killed < 10, (model, stats)
+                await asyncio.sleep(0.5)
+            # Ended by abort, not run to their 480 tokens.
+            assert _aborted(stats) - before[model] >= count // 2, model
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -203,18 +211,3 @@ def _kill_the_ingress_under_streams(serve_cluster, chaos_app) -> None:
                 break
         assert time.monotonic() < deadline
         time.sleep(1)
-
-
-def test_a_killed_ingress_leaves_no_request_running(serve_cluster, chaos_app):
-    _kill_the_ingress_under_streams(serve_cluster, chaos_app)
-
-
-def test_a_killed_ingress_leaves_no_request_running_without_delta_channels(
-    serve_cluster, chaos_app
-):
-    """Each request's deltas on its own call: the engine replicas watch its caller too."""
-    deploy(serve_cluster, delta_channels=False)
-    try:
-        _kill_the_ingress_under_streams(serve_cluster, chaos_app)
-    finally:
-        deploy(serve_cluster)

@@ -146,9 +146,12 @@ def test_several_models_take_the_top_level_fields_as_their_defaults():
                     "engine": {"max_num_seqs": 8, "lora": {"enabled": True}},
                     "engine_replicas": {"num_replicas": 3},
                     "autoscaling": None,
+                    "delta_channels": False,
+                    "delta_links": None,
                 },
             ],
             "engine": deploy_yaml_args()["engine"] | {"block_size": 32},
+            "delta_links": False,
         }
     )
     tiny, small = args.per_model()
@@ -161,6 +164,8 @@ def test_several_models_take_the_top_level_fields_as_their_defaults():
     assert small.engine.lora.enabled and small.engine.lora.max_loras == tiny.engine.lora.max_loras
     assert small.engine_replicas.num_replicas == 3 and small.engine_replicas.num_cpus == "auto"
     assert tiny.autoscaling is not None and small.autoscaling is None  # explicit null: fixed
+    assert (tiny.delta_channels, small.delta_channels) == (True, False)
+    assert not tiny.delta_links and not small.delta_links  # null: the top level's
     assert tiny.api == small.api == args.api  # app-wide: entries cannot set it
 
 
