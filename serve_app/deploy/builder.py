@@ -37,11 +37,6 @@ _INGRESS_MAX_ONGOING = 4096
 # the replicas: the ingress sends most engine calls to a replica's actor itself, past the
 # handle that would otherwise count them. Both sides read it.
 _REQUESTS_COUNTED_AT_REPLICAS = {"RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0"}
-# A CPU engine's OpenMP threads wait for their next region spinning 1,000 rounds instead of
-# libgomp's 300,000 (docs/serving.md, "CPU hosts"): between regions and between steps the
-# core goes to the ingress, the client and Ray's processes instead of being spun away, which
-# they would otherwise take from the step's threads mid-region.
-_CPU_ENGINE_ENV = {"GOMP_SPINCOUNT": "1000"}
 # A model's prefill pool, with `disaggregation` (EngineServer replicas, prefill_only).
 PREFILL_SERVER = "PrefillServer"
 
@@ -180,8 +175,6 @@ def _engine(
     # Serve counts a replica's ongoing requests where they run, not at the ingress's handle,
     # which most calls bypass (serve_app/transport/direct_calls.py).
     engine_env = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"} | _REQUESTS_COUNTED_AT_REPLICAS
-    if app_args.engine.device == "cpu":
-        engine_env |= _CPU_ENGINE_ENV
     scaling: dict[str, Any] = {"num_replicas": app_args.engine_replicas.num_replicas}
     if app_args.autoscaling is not None:
         fit = engine_replicas_that_fit(app_args, engine_share, cpus, num_models)
