@@ -13,33 +13,39 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-url, count = sys.argv[1], int(sys.argv[2])
-tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[3] / "models" / "small")
-rng = random.Random(time.time_ns())  # fresh prompts: nothing from the prefix cache
-client = httpx.Client(timeout=60)
+TOKENIZER = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[3] / "models" / "small")
 
 
-def chat() -> tuple[float, float]:
-    ids = [rng.randrange(1000, tokenizer.vocab_size - 100) for _ in range(128)]
-    body = {
-        "model": "small",
-        "messages": [{"role": "user", "content": tokenizer.decode(ids)}],
-        "max_tokens": 64,
-        "ignore_eos": True,
-        "stream": True,
-        "temperature": 0.0,
-    }
-    start, first = time.perf_counter(), None
-    with client.stream("POST", f"{url}/chat/completions", json=body) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {") and first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    return (first - start) * 1e3, (end - first) * 1e3 / 63
+class OneClient:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = httpx.Client(timeout=60)
+        self.rng = random.Random(time.time_ns())  # fresh prompts: nothing from the prefix cache
+
+    def chat(self) -> tuple[float, float]:
+        """TTFT and TPOT (ms) of one streamed chat."""
+        ids = [self.rng.randrange(1000, TOKENIZER.vocab_size - 100) for _ in range(128)]
+        body = {
+            "model": "small",
+            "messages": [{"role": "user", "content": TOKENIZER.decode(ids)}],
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0.0,
+        }
+        start, first = time.perf_counter(), None
+        with self.client.stream("POST", f"{self.url}/chat/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {") and first is None:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        return (first - start) * 1e3, (end - first) * 1e3 / 63
 
 
-for _ in range(3):
-    chat()
-rows = [chat() for _ in range(count)]
-ttft = statistics.median(r[0] for r in rows)
-print(f"TTFT {ttft:.1f} TPOT {statistics.median(r[1] for r in rows):.2f}")
+if __name__ == "__main__":
+    one = OneClient(sys.argv[1])
+    for _ in range(3):
+        one.chat()
+    rows = [one.chat() for _ in range(int(sys.argv[2]))]
+    ttft = statistics.median(r[0] for r in rows)
+    print(f"TTFT {ttft:.1f} TPOT {statistics.median(r[1] for r in rows):.2f}")

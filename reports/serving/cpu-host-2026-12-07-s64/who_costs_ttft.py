@@ -9,21 +9,16 @@ arms rotate every round. Prints each arm's median TTFT and TPOT, ms.
 
 import contextlib
 import os
-import random
 import signal
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import httpx
 import psutil
-from transformers import AutoTokenizer
+from one_client import OneClient  # beside this script
 
 url, rounds = sys.argv[1], int(sys.argv[2])
-tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[3] / "models" / "small")
-rng = random.Random(time.time_ns())
-client = httpx.Client(timeout=60)
+chat = OneClient(url).chat
 KEPT = ("EngineServer", "OpenAIIngress")
 SYSTEM = ("raylet", "gcs_server", "dashboard", "log_monitor", "Agent", "local_app", "launch")
 GROUPS = {
@@ -53,25 +48,6 @@ def signal_all(processes: list[tuple[psutil.Process, str]], sig: int) -> None:
     for p, _ in processes:
         with contextlib.suppress(psutil.Error):
             p.send_signal(sig)
-
-
-def chat() -> tuple[float, float]:
-    ids = [rng.randrange(1000, tokenizer.vocab_size - 100) for _ in range(128)]
-    body = {
-        "model": "small",
-        "messages": [{"role": "user", "content": tokenizer.decode(ids)}],
-        "max_tokens": 64,
-        "ignore_eos": True,
-        "stream": True,
-        "temperature": 0.0,
-    }
-    start, first = time.perf_counter(), None
-    with client.stream("POST", f"{url}/chat/completions", json=body) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {") and first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    return (first - start) * 1e3, (end - first) * 1e3 / 63
 
 
 processes = cluster()
