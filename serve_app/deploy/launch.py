@@ -22,7 +22,7 @@ import urllib.request
 import yaml
 
 from serve_app.config import AppArgs
-from serve_app.deploy.local_cluster import LOCAL_CLUSTER_ENV
+from serve_app.deploy.local_cluster import LOCAL_CLUSTER_ENV, WITHOUT_DASHBOARD_ENV
 
 
 def _examples(base: str, models: list[str], proxy: str) -> str:
@@ -97,7 +97,7 @@ def main() -> int:
     port = http.get("port", 8000)
     proxy = f"http://{host}:{port}{prefix}"
 
-    env = LOCAL_CLUSTER_ENV | dict(os.environ)
+    env = LOCAL_CLUSTER_ENV | ({} if opts.dashboard else WITHOUT_DASHBOARD_ENV) | dict(os.environ)
     env.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(512 << 20))
     # Serve's direct ingress serves HTTP on the ports after the proxy's (docs/serving.md).
     env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port + 1))

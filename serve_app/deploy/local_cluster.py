@@ -35,6 +35,15 @@ LOCAL_CLUSTER_ENV = {
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
 
+# And without Ray's dashboard, which shows them: Ray's own metrics (its Prometheus port; the
+# app's /metrics comes from the engine metrics board, not from them) and its task events
+# (`ray list tasks`, the dashboard's task views), which cost every process and every actor
+# call a little CPU, the engine's steps on a CPU host included (docs/serving.md, "CPU hosts").
+WITHOUT_DASHBOARD_ENV = {
+    "RAY_enable_metrics_collection": "0",
+    "RAY_task_events_report_interval_ms": "0",
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -45,7 +54,7 @@ def free_port() -> int:
 def start_local_serve(log_level: str = "INFO", num_gpus: int | None = None) -> int:
     """Start Ray (4 logical CPUs, no dashboard, 256 MB object store; `num_gpus`, or as many
     as Ray finds) and Serve's HTTP proxy on a free localhost port; returns the port."""
-    for name, value in LOCAL_CLUSTER_ENV.items():
+    for name, value in (LOCAL_CLUSTER_ENV | WITHOUT_DASHBOARD_ENV).items():
         os.environ.setdefault(name, value)
     import ray
     from ray import serve

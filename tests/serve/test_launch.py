@@ -1,6 +1,6 @@
 """`make serve`'s launcher (serve_app/deploy/launch.py) end to end: deploy.yaml's app on a local
-Ray cluster of its own, without Ray's dashboard; the URL it prints answers an OpenAI client;
-SIGTERM ends the cluster with it."""
+Ray cluster of its own, without Ray's dashboard, metrics and task events; the URL it prints
+answers an OpenAI client; SIGTERM ends the cluster with it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from serve_app.deploy.local_cluster import free_port
+from serve_app.deploy.local_cluster import WITHOUT_DASHBOARD_ENV, free_port
 from tests.conftest import REPO
 from tests.local_serve import deploy_yaml
 
@@ -73,6 +73,12 @@ def test_make_serve_serves_without_rays_dashboard_and_sigterm_ends_its_cluster(
         assert not any(t.startswith("ray-dashboard-") for t in titles), titles  # its modules
         head = [a for a in argvs if any(x.endswith("dashboard/dashboard.py") for x in a)]
         assert head and all("--modules-to-load=UsageStatsHead" in a for a in head), head
+        # Without the dashboard, Ray's own metrics and task events are off in every process.
+        for p in cluster:
+            if _argv(p) and ("EngineServer" in _argv(p)[0] or "raylet" in _argv(p)[0]):
+                assert {k: p.environ().get(k) for k in WITHOUT_DASHBOARD_ENV} == (
+                    WITHOUT_DASHBOARD_ENV
+                ), _argv(p)[0]
     finally:
         launch.send_signal(signal.SIGTERM)
         try:
