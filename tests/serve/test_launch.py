@@ -73,12 +73,13 @@ def test_make_serve_serves_without_rays_dashboard_and_sigterm_ends_its_cluster(
         assert not any(t.startswith("ray-dashboard-") for t in titles), titles  # its modules
         head = [a for a in argvs if any(x.endswith("dashboard/dashboard.py") for x in a)]
         assert head and all("--modules-to-load=UsageStatsHead" in a for a in head), head
-        # Without the dashboard, Ray's own metrics and task events are off in every process.
-        for p in cluster:
-            if _argv(p) and ("EngineServer" in _argv(p)[0] or "raylet" in _argv(p)[0]):
-                assert {k: p.environ().get(k) for k in WITHOUT_DASHBOARD_ENV} == (
-                    WITHOUT_DASHBOARD_ENV
-                ), _argv(p)[0]
+        # Without the dashboard, Ray's own metrics and task events are off in its processes.
+        engines = [p for p, a in zip(cluster, argvs, strict=True) if a and "EngineServer" in a[0]]
+        raylets = [p for p, a in zip(cluster, argvs, strict=True) if a and a[0].endswith("/raylet")]
+        assert engines and raylets, titles
+        for p in engines + raylets:
+            off = {k: p.environ().get(k) for k in WITHOUT_DASHBOARD_ENV}
+            assert off == WITHOUT_DASHBOARD_ENV, (p.name(), off)
     finally:
         launch.send_signal(signal.SIGTERM)
         try:
