@@ -22,17 +22,25 @@ class OneClient:
         self.client = httpx.Client(timeout=60)
         self.rng = random.Random(time.time_ns())  # fresh prompts: nothing from the prefix cache
 
-    def chat(self) -> tuple[float, float]:
-        """TTFT and TPOT (ms) of one streamed chat."""
+    def text(self) -> str:
+        """A fresh prompt: 128 random tokens' text."""
         ids = [self.rng.randrange(1000, TOKENIZER.vocab_size - 100) for _ in range(128)]
-        body = {
+        return TOKENIZER.decode(ids)
+
+    def body(self) -> dict:
+        """One streamed chat's request, on a fresh prompt."""
+        return {
             "model": "small",
-            "messages": [{"role": "user", "content": TOKENIZER.decode(ids)}],
+            "messages": [{"role": "user", "content": self.text()}],
             "max_tokens": 64,
             "ignore_eos": True,
             "stream": True,
             "temperature": 0.0,
         }
+
+    def chat(self) -> tuple[float, float]:
+        """TTFT and TPOT (ms) of one streamed chat."""
+        body = self.body()
         start, first = time.perf_counter(), None
         with self.client.stream("POST", f"{self.url}/chat/completions", json=body) as resp:
             for line in resp.iter_lines():

@@ -22,43 +22,17 @@ sys.path[:0] = [
     str(HERE.parent / "cpu-host-2026-12-07-s64"),
 ]
 import paired  # noqa: E402
-import yaml  # noqa: E402
-from one_client import TOKENIZER, OneClient  # noqa: E402
-
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from serve_app.config import AppArgs  # noqa: E402
+from engine_one_client import deploy_engine, one_chat  # noqa: E402  (beside this script)
+from one_client import OneClient  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", HERE))
 BLOCK = 5
 
 
-def local_engine() -> AsyncLLMEngine:
-    app = yaml.safe_load((paired.REPO / "deploy.yaml").read_text())["applications"][0]["args"]
-    app |= {"model": str(paired.MODEL), "served_model_name": "small"}
-    args = AppArgs.model_validate(app)
-    return AsyncLLMEngine.built(lambda: LLMEngine(args.engine.engine_config(args.model)))
-
-
-async def alone_chat(engine: AsyncLLMEngine, client: OneClient, i: int) -> tuple[float, float]:
-    ids = [client.rng.randrange(1000, TOKENIZER.vocab_size - 100) for _ in range(128)]
-    messages = [{"role": "user", "content": TOKENIZER.decode(ids)}]
-    text = TOKENIZER.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt = TOKENIZER.encode(text, add_special_tokens=False)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    start, first = time.perf_counter(), None
-    async for out in engine.generate(prompt, params, f"alone-{i}"):
-        if out.new_token_ids and first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return (first - start) * 1e3, (end - first) * 1e3 / 63
-
-
 def main(rounds: int) -> None:
     ours_url, ours = paired.start_ours()
     vllm_url, vllm = paired.start_vllm()
-    engine = local_engine()
+    engine = deploy_engine()
     loop = asyncio.new_event_loop()
     clients = {"ours": OneClient(ours_url), "vllm": OneClient(vllm_url)}
     alone = OneClient(ours_url)  # its prompt generator only
@@ -83,7 +57,8 @@ def main(rounds: int) -> None:
                     time.sleep(0.3)  # requests a little apart, as a person's would be
                     if arm == "alone":
                         n += 1
-                        block.append(loop.run_until_complete(alone_chat(engine, alone, n)))
+                        chat = one_chat(engine, alone.text(), f"alone-{n}")
+                        block.append(loop.run_until_complete(chat)[:2])
                     else:
                         block.append(clients[arm].chat())
                 results[arm] += block

@@ -16,7 +16,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "cpu-host-2026-12-07-s64"))
-from one_client import TOKENIZER, OneClient  # noqa: E402
+from one_client import OneClient  # noqa: E402
 
 from loadtests.closed_loop import RequestTiming  # noqa: E402
 from loadtests.ttft_stages import ttft_stages  # noqa: E402
@@ -54,15 +54,7 @@ def main(n: int) -> None:
         timings = []
         for _ in range(n):
             time.sleep(0.3)
-            ids = [one.rng.randrange(1000, TOKENIZER.vocab_size - 100) for _ in range(128)]
-            body = {
-                "model": "small",
-                "messages": [{"role": "user", "content": TOKENIZER.decode(ids)}],
-                "max_tokens": 64,
-                "ignore_eos": True,
-                "stream": True,
-                "temperature": 0.0,
-            }
+            body = one.body()
             t = RequestTiming(time.perf_counter())
             with one.client.stream("POST", f"{url}/chat/completions", json=body) as resp:
                 for line in resp.iter_lines():
